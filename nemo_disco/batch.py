@@ -1,0 +1,120 @@
+"""The rollout batch that flows from the generator to the policy and the losses.
+
+Layout (verl-style): prompts LEFT-padded to P tokens, responses RIGHT-padded to R tokens, the model
+input is ``cat(prompt_ids, response_ids)``; every per-token tensor the losses see is ``[N, R]``,
+aligned with ``response_ids`` (``logprobs[i, t] = log pi(response_ids[i, t] | prompt_i, response_i[:t])``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+
+@dataclass(frozen=True)
+class RolloutBatch:
+    """N rollouts (prompt + response) and what the trainer attaches to them.
+
+    Attributes:
+        prompt_ids: [N, P] int64, left-padded with ``pad_id``.
+        prompt_mask: [N, P] bool, True on real prompt tokens.
+        response_ids: [N, R] int64, right-padded with ``pad_id``.
+        response_mask: [N, R] bool, True on generated tokens (EOS included).
+        group_ids: [N] int64 question ids (rollouts of one prompt share an id).
+        rewards: [N] float.
+        gen_logprobs: [N, R] float, the generator's per-token sampling log-probs (0 on padding).
+        old_logprobs: [N, R] float, pi_old's log-probs from the training policy (filled by the trainer).
+        ref_logprobs: [N, R] float or None, reference-policy log-probs (GRPO's KL regulariser).
+    """
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
+    group_ids: torch.Tensor
+    rewards: torch.Tensor
+    gen_logprobs: torch.Tensor
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return int(self.response_ids.shape[0])
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        """[N, P + R] model input."""
+        return torch.cat([self.prompt_ids, self.response_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        """[N, P + R] bool, True on real tokens."""
+        return torch.cat([self.prompt_mask, self.response_mask], dim=1)
+
+    @property
+    def position_ids(self) -> torch.Tensor:
+        """[N, P + R] positions counted from each sequence's first real token."""
+        return (self.attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+
+    @property
+    def num_tokens(self) -> int:
+        """Real tokens (prompt + response) in the batch."""
+        return int(self.attention_mask.sum())
+
+    def select(self, index: torch.Tensor | Sequence[int] | slice) -> RolloutBatch:
+        """Rows ``index`` of every tensor (a view for slices)."""
+        if not isinstance(index, slice):
+            index = torch.as_tensor(index, dtype=torch.long)
+        return replace(self, **{f.name: _take(getattr(self, f.name), index) for f in fields(self)})
+
+    def with_(self, **changes: torch.Tensor | None) -> RolloutBatch:
+        """A copy with some fields replaced."""
+        return replace(self, **changes)
+
+
+def _take(t: torch.Tensor | None, index: torch.Tensor | slice) -> torch.Tensor | None:
+    return None if t is None else t[index]
+
+
+def collate(
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    gen_logprobs: Sequence[Sequence[float]],
+    group_ids: Sequence[int],
+    rewards: Sequence[float],
+    pad_id: int,
+) -> RolloutBatch:
+    """Pad token lists into a :class:`RolloutBatch` (prompts left, responses right).
+
+    A response may be empty (the generator stopped at once); its mask row is all False.
+    """
+    n = len(prompts)
+    if not (len(responses) == len(gen_logprobs) == len(group_ids) == len(rewards) == n):
+        raise ValueError("collate: prompts, responses, gen_logprobs, group_ids and rewards differ in length")
+    p_len = max((len(p) for p in prompts), default=0)
+    r_len = max(1, max((len(r) for r in responses), default=1))
+    prompt_ids = torch.full((n, p_len), pad_id, dtype=torch.long)
+    prompt_mask = torch.zeros((n, p_len), dtype=torch.bool)
+    response_ids = torch.full((n, r_len), pad_id, dtype=torch.long)
+    response_mask = torch.zeros((n, r_len), dtype=torch.bool)
+    lp = torch.zeros((n, r_len), dtype=torch.float32)
+    for i, (p, r, g) in enumerate(zip(prompts, responses, gen_logprobs, strict=True)):
+        if len(g) != len(r):
+            raise ValueError(f"collate: rollout {i} has {len(r)} tokens but {len(g)} log-probs")
+        if p:
+            prompt_ids[i, p_len - len(p) :] = torch.as_tensor(p, dtype=torch.long)
+            prompt_mask[i, p_len - len(p) :] = True
+        if r:
+            response_ids[i, : len(r)] = torch.as_tensor(r, dtype=torch.long)
+            response_mask[i, : len(r)] = True
+            lp[i, : len(r)] = torch.as_tensor(g, dtype=torch.float32)
+    return RolloutBatch(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        response_ids=response_ids,
+        response_mask=response_mask,
+        group_ids=torch.as_tensor(list(group_ids), dtype=torch.long),
+        rewards=torch.as_tensor(list(rewards), dtype=torch.float32),
+        gen_logprobs=lp,
+    )

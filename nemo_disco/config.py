@@ -1,0 +1,398 @@
+"""Typed run configuration: the one place where every default lives.
+
+A recipe is a YAML file that may start with a Hydra ``defaults:`` list (``[disco, _self_]``) naming
+other recipes in the same folder; it is composed with Hydra, ``key=value`` overrides are applied,
+and the result is validated ONCE into a frozen :class:`RunConfig`. Call sites read
+``cfg.loss.beta``, never ``cfg.get("beta", 1e3)``.
+
+Validation failures raise :class:`ConfigError` whose message is one line naming the full key path
+and the offending value; the CLI prints it and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A recipe or override is invalid. The message is a single line naming the key."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class TinyModelConfig(_Section):
+    """A randomly initialised model built in code (CPU demo and tests; nothing from a hub)."""
+
+    architecture: Literal["qwen2", "llama"] = "qwen2"
+    num_layers: int = Field(2, ge=1)
+    hidden_size: int = Field(64, ge=8)
+    num_attention_heads: int = Field(4, ge=1)
+    num_key_value_heads: int = Field(2, ge=1)
+    intermediate_size: int = Field(128, ge=8)
+    max_position_embeddings: int = Field(512, ge=16)
+    tie_word_embeddings: bool = True
+
+    @model_validator(mode="after")
+    def _heads(self) -> TinyModelConfig:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} must be divisible by num_attention_heads={self.num_attention_heads}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} must be divisible by "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        return self
+
+
+class PolicyConfig(_Section):
+    """The trained policy (pi_theta) and its optimiser."""
+
+    backend: Literal["hf", "megatron"] = "megatron"
+    # HF folder (config.json + safetensors + tokenizer) or hub id on a cluster; null = build `tiny`.
+    model_path: str | None = None
+    tiny: TinyModelConfig = TinyModelConfig()
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    tensor_parallel_size: int = Field(1, ge=1)
+    pipeline_parallel_size: int = Field(1, ge=1)
+    activation_checkpointing: bool = False
+    # Tokens per micro-batch in the backward pass (pass 2); any value gives the same gradient.
+    microbatch_tokens: int = Field(16384, ge=1)
+    # Sequence chunk (tokens) of the vocab-parallel log-prob / entropy computation.
+    logprob_chunk_size: int = Field(1024, ge=1)
+    lr: float = Field(2e-6, gt=0)
+    weight_decay: float = Field(0.01, ge=0)
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    adam_beta2: float = Field(0.999, ge=0, lt=1)
+    adam_eps: float = Field(1e-8, gt=0)
+    grad_clip: float = Field(1.0, ge=0)
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    warmup_updates: int = Field(0, ge=0)
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    use_distributed_optimizer: bool = True
+
+
+class GenerationConfig(_Section):
+    """The rollout generator (vLLM colocated, or transformers generate)."""
+
+    backend: Literal["vllm", "hf"] = "vllm"
+    temperature: float = Field(0.6, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1)
+    max_prompt_tokens: int = Field(1024, ge=1)
+    max_response_tokens: int = Field(8192, ge=1)
+    tensor_parallel_size: int = Field(1, ge=1)
+    gpu_memory_utilization: float = Field(0.6, gt=0, le=1)
+    enforce_eager: bool = True
+    max_num_batched_tokens: int | None = Field(None, ge=1)
+    sleep_level: Literal[0, 1, 2] = 1
+    refit_bucket_mb: int = Field(512, ge=1)
+    # Generator batch for the transformers backend (sequences per generate call).
+    hf_batch_size: int = Field(64, ge=1)
+
+
+class DataConfig(_Section):
+    """Training prompts and the prompt template."""
+
+    # Path (json / jsonl / parquet), hub dataset name, or "synthetic:arithmetic".
+    train: str = "agentica-org/DeepScaleR-Preview-Dataset"
+    split: str = "train"
+    prompt_template: str = "{problem} Let's think step by step and output the final answer within \\boxed{{}}."
+    use_chat_template: bool = True
+    on_bad_row: Literal["error", "skip"] = "error"
+    shuffle: bool = True
+    seed: int = 42
+    # Synthetic task size (only for synthetic:*).
+    synthetic_size: int = Field(2000, ge=1)
+    # Validation benchmark file (pass@1 over val_samples), evaluated every val_every steps; 0 = never.
+    val: str | None = None
+    val_every: int = Field(0, ge=0)
+    val_samples: int = Field(1, ge=1)
+    val_max_problems: int | None = Field(None, ge=1)
+
+
+class RewardConfig(_Section):
+    """Math grading of rollouts."""
+
+    grader: Literal["math_verify", "deepscaler"] = "math_verify"
+    timeout_s: float = Field(5.0, gt=0)
+    workers: int = Field(2, ge=1)
+    # Rollouts with reward above this are positives (so {0,1} and {-1,+1} rewards both work).
+    positive_threshold: float = 0.5
+
+
+class LossConfig(_Section):
+    """The objective (losses.LOSSES) and its hyper-parameters."""
+
+    name: Literal["disco", "discob", "grpo", "grpo_rw", "dr_grpo", "dapo", "grpo_er"] = "disco"
+    score: Literal["logl", "lratio"] = "logl"
+    tau: float = Field(10.0, gt=0)
+    delta: float = Field(1e-4, ge=0)
+    beta: float = Field(1e3, ge=0)
+    kl: Literal["k1", "k3"] = "k1"
+    official_compat: bool = False
+    # Largest |log pi_theta - log pi_old| fed to exp() in the L-ratio score (clamped, counted).
+    max_log_ratio: float = Field(20.0, gt=0)
+    # GRPO family.
+    clip_eps: float = Field(0.2, gt=0)
+    clip_eps_high: float | None = Field(None, gt=0)
+    kl_coef: float = Field(0.0, ge=0)
+    entropy_coef: float = Field(0.0, ge=0)
+    # Rollout / training log-prob mismatch correction.
+    rollout_correction: Literal["none", "seq_tis"] = "none"
+    rollout_correction_cap: float = Field(2.0, gt=0)
+
+
+class AlgorithmConfig(_Section):
+    """Algorithm 1: batch sizes (named by their unit), steps, seeds and data-side baselines."""
+
+    steps: int = Field(1400, ge=1)
+    prompts_per_step: int = Field(128, ge=1)
+    rollouts_per_prompt: int = Field(8, ge=1)
+    minibatch_prompts: int = Field(32, ge=1)
+    seed: int = 1
+    # Supervised warm-up updates on the gold answers before RL (demo only; 0 on real runs).
+    warmup_sft_steps: int = Field(0, ge=0)
+    warmup_sft_lr: float = Field(3e-3, gt=0)
+    # DAPO data-side tricks.
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = Field(3, ge=1)
+    overlong_buffer_tokens: int = Field(0, ge=0)
+    overlong_penalty: float = Field(1.0, ge=0)
+
+
+class CheckpointConfig(_Section):
+    """Atomic checkpoints and resume."""
+
+    save_every: int = Field(20, ge=0)
+    keep_last: int = Field(3, ge=1)
+    resume: bool = True
+
+
+class LoggingConfig(_Section):
+    """Where metrics go."""
+
+    run_dir: str = "runs/disco"
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "nemo-disco"
+    progress: bool = True
+
+
+class ClusterConfig(_Section):
+    """The process layout the recipe expects; checked against the launcher's world size."""
+
+    nodes: int = Field(1, ge=1)
+    gpus_per_node: int = Field(8, ge=1)
+
+
+class RunConfig(_Section):
+    """The whole run."""
+
+    policy: PolicyConfig = PolicyConfig()
+    generation: GenerationConfig = GenerationConfig()
+    data: DataConfig = DataConfig()
+    reward: RewardConfig = RewardConfig()
+    loss: LossConfig = LossConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    logging: LoggingConfig = LoggingConfig()
+    cluster: ClusterConfig = ClusterConfig()
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> RunConfig:
+        a, p, g = self.algorithm, self.policy, self.generation
+        if a.prompts_per_step % a.minibatch_prompts:
+            raise ValueError(
+                f"algorithm.prompts_per_step={a.prompts_per_step} must be divisible by "
+                f"algorithm.minibatch_prompts={a.minibatch_prompts}"
+            )
+        world = self.cluster.nodes * self.cluster.gpus_per_node
+        model_parallel = p.tensor_parallel_size * p.pipeline_parallel_size
+        if world % model_parallel:
+            raise ValueError(
+                f"policy.tensor_parallel_size x policy.pipeline_parallel_size = {model_parallel} must divide "
+                f"cluster.nodes x cluster.gpus_per_node = {world}"
+            )
+        if world % g.tensor_parallel_size:
+            raise ValueError(
+                f"generation.tensor_parallel_size={g.tensor_parallel_size} must divide "
+                f"cluster.nodes x cluster.gpus_per_node = {world}"
+            )
+        data_parallel = world // model_parallel
+        rollouts = a.minibatch_prompts * a.rollouts_per_prompt
+        if rollouts % data_parallel:
+            raise ValueError(
+                f"algorithm.minibatch_prompts x algorithm.rollouts_per_prompt = {rollouts} must be divisible by "
+                f"the data-parallel size {data_parallel} (cluster world / policy TP x PP)"
+            )
+        if g.max_prompt_tokens + g.max_response_tokens > 10_000_000:
+            raise ValueError("generation.max_prompt_tokens + generation.max_response_tokens is implausibly large")
+        if self.loss.name == "grpo_er" and self.loss.entropy_coef == 0:
+            raise ValueError("loss.name=grpo_er needs loss.entropy_coef > 0")
+        if self.data.val_every and not self.data.val:
+            raise ValueError(f"data.val_every={self.data.val_every} needs data.val (a benchmark file)")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        """Processes the recipe expects (nodes x gpus_per_node)."""
+        return self.cluster.nodes * self.cluster.gpus_per_node
+
+    @property
+    def data_parallel_size(self) -> int:
+        """World size over the policy's model-parallel size."""
+        return self.world_size // (self.policy.tensor_parallel_size * self.policy.pipeline_parallel_size)
+
+    @property
+    def updates_per_step(self) -> int:
+        """Optimizer updates per training step (mini-batches of whole questions)."""
+        return self.algorithm.prompts_per_step // self.algorithm.minibatch_prompts
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Loading: Hydra composition, overrides, validation.
+
+
+def _known_keys(model: type[BaseModel], prefix: str = "") -> dict[str, type[BaseModel] | None]:
+    """Every dotted key of the schema -> its section class (or None for a leaf)."""
+    keys: dict[str, type[BaseModel] | None] = {}
+    for name, field in model.model_fields.items():
+        path = f"{prefix}{name}"
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            keys[path] = ann
+            keys.update(_known_keys(ann, path + "."))
+        else:
+            keys[path] = None
+    return keys
+
+
+_KEYS = _known_keys(RunConfig)
+
+
+def _check_override_key(override: str) -> None:
+    if "=" not in override:
+        raise ConfigError(f"override {override!r} is not of the form key=value")
+    key = override.split("=", 1)[0].lstrip("+~")
+    if key in _KEYS:
+        return
+    parent, _, leaf = key.rpartition(".")
+    siblings = [k.rpartition(".")[2] for k in _KEYS if k.rpartition(".")[0] == parent]
+    hint = difflib.get_close_matches(leaf, siblings, n=1)
+    suggestion = f" (did you mean {parent + '.' if parent else ''}{hint[0]}?)" if hint else ""
+    raise ConfigError(f"unknown config key {key!r} in override {override!r}{suggestion}")
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    parts = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"])
+        if e["type"] == "extra_forbidden":
+            parts.append(f"unknown config key {loc!r} (value {e['input']!r})")
+        elif loc:
+            parts.append(f"{loc}={e['input']!r}: {e['msg']}")
+        else:
+            parts.append(e["msg"].removeprefix("Value error, "))
+    return "; ".join(parts)
+
+
+def validate(raw: dict[str, Any]) -> RunConfig:
+    """Validate a plain nested dict into a frozen :class:`RunConfig`.
+
+    Raises:
+        ConfigError: one line naming the key path(s) and value(s).
+    """
+    try:
+        return RunConfig.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err)) from None
+
+
+def compose(recipe: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+    """Compose a recipe with Hydra (``defaults:`` list, ``key=value`` overrides) into a plain dict.
+
+    Args:
+        recipe: path to a YAML recipe; its ``defaults:`` entries name recipes in the same folder.
+        overrides: Hydra override strings (``loss.tau=1``, ``+key=value``, ``~key``).
+
+    Raises:
+        ConfigError: missing file, bad YAML, unknown override key or a Hydra composition error.
+    """
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    path = Path(recipe)
+    if not path.is_file():
+        raise ConfigError(f"recipe file not found: {path}")
+    try:
+        yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}{where}: invalid YAML: {getattr(err, 'problem', err)}") from None
+    for override in overrides:
+        _check_override_key(override)
+    # Keys were checked against the schema above, so a plain `key=value` may also set a schema field that
+    # the recipe does not state: Hydra's `++` (add or override).
+    hydra_overrides = [o if o.startswith(("+", "~")) else f"++{o}" for o in overrides]
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(path.parent.resolve()), version_base=None):
+            cfg = hydra_compose(config_name=path.stem, overrides=hydra_overrides)
+    except Exception as err:  # Hydra raises several exception types; all are user errors here.
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"{path}: {first}") from None
+    finally:
+        GlobalHydra.instance().clear()
+    raw = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(raw, dict)
+    raw.pop("defaults", None)
+    return raw
+
+
+def load(recipe: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Compose, override and validate a recipe.
+
+    Raises:
+        ConfigError: one line naming the file or key.
+    """
+    return validate(compose(recipe, overrides))
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    """The fully resolved config as YAML (every field, defaults included)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def save(cfg: RunConfig, path: str | os.PathLike) -> None:
+    """Write the resolved config (atomically) so ``convert`` / ``eval`` / resume can read it back."""
+    path = Path(path)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(to_yaml(cfg))
+    os.replace(tmp, path)
+
+
+def load_resolved(path: str | os.PathLike) -> RunConfig:
+    """Read a config written by :func:`save` (no composition)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: invalid YAML: {err}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    return validate(raw)

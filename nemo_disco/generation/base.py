@@ -1,0 +1,67 @@
+"""The Generator protocol: sample rollouts, take new weights, release memory between steps."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample. ``top_k=-1`` disables top-k; ``seed`` makes sampling reproducible."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    # Generate exactly max_tokens (benchmarks only).
+    ignore_eos: bool = False
+
+
+@dataclass
+class Rollout:
+    """One sampled response.
+
+    Attributes:
+        token_ids: generated tokens (the stop token included when it was sampled).
+        logprobs: the generator's log-prob of each generated token under the SAMPLING distribution
+            (temperature applied; top-p / top-k truncation not renormalised), same length as token_ids.
+        finish_reason: "stop" (a stop token) or "length" (max_tokens reached).
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: Literal["stop", "length"]
+    text: str = field(default="", repr=False)
+
+
+@runtime_checkable
+class Generator(Protocol):
+    """Samples rollouts from the current policy weights."""
+
+    def generate(
+        self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingParams
+    ) -> list[list[Rollout]]:
+        """``n`` rollouts for each prompt: result[i][j] is rollout j of prompt i."""
+        ...
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load new weights (Hugging Face names) in place; an unknown name raises naming the tensor."""
+        ...
+
+    def sleep(self) -> None:
+        """Release accelerator memory (weights and/or KV cache, by the configured level)."""
+        ...
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Re-acquire memory (``tags``: "weights", "kv_cache"; None = all)."""
+        ...
+
+    def shutdown(self) -> None:
+        """Free everything."""
+        ...

@@ -1,0 +1,168 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nemo_disco import config
+from nemo_disco.config import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+EXEMPLAR = ROOT / "recipes" / "disco.yaml"
+
+
+def _recipe(tmp_path: Path, name: str, text: str) -> Path:
+    (tmp_path / "disco.yaml").write_text(EXEMPLAR.read_text())
+    p = tmp_path / f"{name}.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_exemplar_loads_with_paper_values():
+    cfg = config.load(EXEMPLAR)
+    # paper §6 / the authors' 1.5B log-L script
+    assert cfg.loss.name == "disco" and cfg.loss.score == "logl"
+    assert (cfg.loss.tau, cfg.loss.delta, cfg.loss.beta) == (10.0, 1e-4, 1e3)
+    assert (cfg.algorithm.prompts_per_step, cfg.algorithm.rollouts_per_prompt, cfg.algorithm.minibatch_prompts) == (
+        128,
+        8,
+        32,
+    )
+    assert cfg.updates_per_step == 4  # 128 / 32
+    assert cfg.policy.lr == 2e-6 and cfg.generation.temperature == 0.6
+    assert cfg.generation.max_response_tokens == 8192
+
+
+def test_exemplar_states_every_schema_field():
+    """disco.yaml is the spec: it lists every field of the schema (so it reads as documentation)."""
+    import yaml
+
+    raw = yaml.safe_load(EXEMPLAR.read_text())
+
+    def leaves(d, prefix=""):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                yield from leaves(v, f"{prefix}{k}.")
+            else:
+                yield f"{prefix}{k}"
+
+    stated = set(leaves(raw))
+    schema = {k for k, sec in config._KEYS.items() if sec is None and not k.startswith("policy.tiny.")}
+    assert schema - stated == set(), "fields missing from recipes/disco.yaml"
+
+
+def test_defaults_list_composition_and_override_order(tmp_path):
+    child = _recipe(
+        tmp_path,
+        "child",
+        "defaults:\n  - disco\n  - _self_\nloss:\n  score: lratio\n  tau: 1.0\nalgorithm:\n  steps: 7\n",
+    )
+    cfg = config.load(child)
+    assert cfg.loss.score == "lratio" and cfg.loss.tau == 1.0 and cfg.algorithm.steps == 7
+    assert cfg.loss.beta == 1e3  # inherited from disco.yaml
+    # Command-line overrides win over the recipe.
+    cfg = config.load(child, ["loss.tau=5", "algorithm.steps=3"])
+    assert cfg.loss.tau == 5.0 and cfg.algorithm.steps == 3
+
+
+def test_nested_defaults(tmp_path):
+    _recipe(tmp_path, "mid", "defaults:\n  - disco\n  - _self_\nloss:\n  tau: 2.0\n")
+    leaf = tmp_path / "leaf.yaml"
+    leaf.write_text("defaults:\n  - mid\n  - _self_\nloss:\n  delta: 0.5\n")
+    cfg = config.load(leaf)
+    assert (cfg.loss.tau, cfg.loss.delta) == (2.0, 0.5)
+
+
+@pytest.mark.parametrize(
+    ("override", "fragment"),
+    [
+        ("loss.betta=1", "unknown config key 'loss.betta'"),
+        ("loss.tau=-1", "loss.tau=-1"),
+        ("loss.tau=0", "loss.tau=0"),
+        ("loss.delta=-0.1", "loss.delta=-0.1"),
+        ("loss.beta=-1", "loss.beta=-1"),
+        ("loss.name=ppo", "loss.name='ppo'"),
+        ("loss.tau=abc", "loss.tau='abc'"),
+        (
+            "algorithm.minibatch_prompts=30",
+            "algorithm.prompts_per_step=128 must be divisible by algorithm.minibatch_prompts=30",
+        ),
+        ("algorithm.prompts_per_step=0", "algorithm.prompts_per_step=0"),
+        ("generation.temperature=0", "generation.temperature=0"),
+        ("generation.top_p=1.5", "generation.top_p=1.5"),
+        ("policy.tensor_parallel_size=3", "must divide cluster.nodes x cluster.gpus_per_node = 8"),
+        ("generation.tensor_parallel_size=3", "generation.tensor_parallel_size=3 must divide"),
+        ("reward.timeout_s=0", "reward.timeout_s=0"),
+        ("checkpoint.keep_last=0", "checkpoint.keep_last=0"),
+        ("data.on_bad_row=ignore", "data.on_bad_row='ignore'"),
+        ("loss.name=grpo_er", "loss.name=grpo_er needs loss.entropy_coef > 0"),
+        ("data.val_every=5", "data.val_every=5 needs data.val"),
+        ("nonsense=1", "unknown config key 'nonsense'"),
+        ("loss", "is not of the form key=value"),
+    ],
+)
+def test_every_validation_rule_names_the_key(override, fragment):
+    with pytest.raises(ConfigError) as err:
+        config.load(EXEMPLAR, [override])
+    msg = str(err.value)
+    assert fragment in msg
+    assert "\n" not in msg
+
+
+def test_data_parallel_must_divide_minibatch_rollouts():
+    # 2 nodes x 8 GPUs, TP 1 -> DP 16; 1 prompt x 8 rollouts per mini-batch is not divisible by 16.
+    with pytest.raises(ConfigError, match="must be divisible by the data-parallel size 16"):
+        config.load(EXEMPLAR, ["cluster.nodes=2", "algorithm.minibatch_prompts=1", "algorithm.prompts_per_step=4"])
+
+
+def test_unknown_key_in_recipe_file_is_named(tmp_path):
+    bad = _recipe(tmp_path, "bad", "defaults:\n  - disco\n  - _self_\nloss:\n  betta: 3\n")
+    with pytest.raises(ConfigError, match=r"unknown config key 'loss\.betta'"):
+        config.load(bad)
+
+
+def test_wrong_type_in_recipe_file_is_named(tmp_path):
+    bad = _recipe(tmp_path, "bad", "defaults:\n  - disco\n  - _self_\nalgorithm:\n  steps: many\n")
+    with pytest.raises(ConfigError, match=r"algorithm\.steps='many'"):
+        config.load(bad)
+
+
+def test_missing_and_malformed_recipe(tmp_path):
+    with pytest.raises(ConfigError, match="recipe file not found"):
+        config.load(tmp_path / "nope.yaml")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("loss: [unclosed\n")
+    with pytest.raises(ConfigError, match=r"broken\.yaml:\d+: invalid YAML"):
+        config.load(broken)
+
+
+def test_config_is_frozen():
+    cfg = config.load(EXEMPLAR)
+    with pytest.raises(Exception):  # noqa: B017  (pydantic raises ValidationError for frozen models)
+        cfg.loss.tau = 3.0
+
+
+def test_saved_config_round_trips(tmp_path):
+    cfg = config.load(EXEMPLAR, ["loss.tau=3", "policy.tiny.num_layers=3", "data.val=math"])
+    path = tmp_path / "config.yaml"
+    config.save(cfg, path)
+    again = config.load_resolved(path)
+    assert again == cfg
+    assert config.to_yaml(again) == path.read_text()
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "nemo_disco.cli", *args], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+
+
+def test_cli_print_config_and_one_line_errors():
+    ok = _cli("train", "--config", "recipes/disco.yaml", "--print-config")
+    assert ok.returncode == 0, ok.stderr
+    assert "tau: 10.0" in ok.stdout and "prompts_per_step: 128" in ok.stdout
+    for override, key in (("loss.betta=1", "loss.betta"), ("loss.tau=-1", "loss.tau")):
+        bad = _cli("train", "--config", "recipes/disco.yaml", "--print-config", override)
+        assert bad.returncode == 2
+        lines = bad.stderr.strip().splitlines()
+        assert len(lines) == 1 and key in lines[0] and "Traceback" not in bad.stderr
