@@ -3,8 +3,9 @@
 The tokenizer is character-level (every printable ASCII character is a token, spelled in the GPT-2
 byte-level alphabet so that transformers' Qwen2 tokenizer class, which it picks from the model type,
 reads it the same way) with ChatML special tokens and a chat template, saved as a regular
-``PreTrainedTokenizerFast`` folder; the model is a randomly initialised Qwen2 or Llama saved as a regular Hugging Face folder (config.json +
-model.safetensors), so every backend loads it exactly as it would load a real checkpoint.
+``PreTrainedTokenizerFast`` folder; the model is a randomly initialised Qwen2 or Llama saved as a regular
+Hugging Face folder (config.json + model.safetensors), so every backend loads it exactly as it would
+load a real checkpoint.
 """
 
 from __future__ import annotations

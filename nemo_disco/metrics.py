@@ -1,0 +1,200 @@
+"""Metric sinks (JSONL always, TensorBoard, W&B), a progress bar, and the training-curve plots."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+# Panels of `nemo-disco plot` (the paper's fig. 2 view plus the constraint and the rollout mismatch).
+PLOT_PANELS: tuple[tuple[str, str], ...] = (
+    ("train/reward_mean", "training reward"),
+    ("train/entropy", "generation entropy"),
+    ("train/kl", "KL(pi_old || pi_theta)"),
+    ("train/response_length_mean", "response length (tokens)"),
+    ("train/constraint_active", "constraint active (share of updates)"),
+    ("mismatch/kl_k3", "generator vs policy KL (k3)"),
+    ("val/pass@1", "validation pass@1"),
+)
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """Records of a metrics.jsonl (a torn last line from a crash is ignored)."""
+    out = []
+    path = Path(path)
+    if not path.is_file():
+        return out
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return out
+
+
+def truncate_jsonl(path: str | Path, last_step: int) -> None:
+    """Keep only records with ``step <= last_step`` (resume after a crash recomputes the rest)."""
+    path = Path(path)
+    if not path.is_file():
+        return
+    kept = [r for r in read_jsonl(path) if r.get("step", 0) <= last_step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    os.replace(tmp, path)
+
+
+class MetricsLogger:
+    """Writes one JSON object per step to ``<run_dir>/metrics.jsonl`` (+ TensorBoard, W&B) on rank 0."""
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        enabled: bool,
+        tensorboard: bool,
+        wandb: bool,
+        wandb_project: str,
+        total_steps: int,
+        start_step: int,
+        progress: bool,
+        run_config: dict[str, Any] | None = None,
+    ) -> None:
+        self.enabled = enabled
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self._tb = None
+        self._wandb = None
+        self._bar = None
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+        if wandb:
+            import wandb as wandb_lib
+
+            self._wandb = wandb_lib.init(project=wandb_project, dir=str(run_dir), config=run_config, resume="allow")
+        if progress:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Append one step's metrics (non-finite values are written as null)."""
+        if not self.enabled:
+            return
+        record = {"step": step, **{k: _finite_or_none(v) for k, v in sorted(metrics.items())}}
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        if self._tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(metrics, step=step)
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix(
+                reward=f"{metrics.get('train/reward_mean', float('nan')):.3f}",
+                kl=f"{metrics.get('train/kl', float('nan')):.1e}",
+            )
+
+    def write(self, message: str) -> None:
+        """Print a line without breaking the progress bar."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(message)
+        else:
+            print(message, flush=True)
+
+    def close(self) -> None:
+        """Flush and close every sink."""
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _finite_or_none(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+class Timer:
+    """Accumulates wall time per phase: ``with timer("generate"): ...``; ``timer.metrics()``."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = {}
+        self._name: str | None = None
+
+    def __call__(self, name: str) -> Timer:
+        """Name the phase the next ``with`` block times."""
+        self._name = name
+        return self
+
+    def __enter__(self) -> Timer:
+        """Start timing the phase named by the last call."""
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._name is not None
+        self.totals[self._name] = self.totals.get(self._name, 0.0) + time.perf_counter() - self._start
+
+    def metrics(self) -> dict[str, float]:
+        """``timing/<phase>`` seconds."""
+        return {f"timing/{k}": v for k, v in self.totals.items()}
+
+
+def plot_runs(run_dirs: Sequence[str | Path], out: str | Path, labels: Sequence[str] | None = None) -> Path:
+    """PNG of the training curves of one or several runs overlaid (one panel per metric).
+
+    Raises:
+        ValueError: a run folder has no metrics.jsonl.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = []
+    for d in run_dirs:
+        records = read_jsonl(Path(d) / "metrics.jsonl")
+        if not records:
+            raise ValueError(f"{d}: no metrics.jsonl records to plot")
+        runs.append(records)
+    labels = list(labels) if labels else [Path(d).name for d in run_dirs]
+    panels = [(k, t) for k, t in PLOT_PANELS if any(k in r for recs in runs for r in recs)]
+    cols = 3
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.4 * rows), squeeze=False)
+    for ax, (key, title) in zip(axes.flat, panels, strict=False):
+        for recs, label in zip(runs, labels, strict=True):
+            pts = [(r["step"], r[key]) for r in recs if r.get(key) is not None]
+            if pts:
+                xs, ys = zip(*pts, strict=True)
+                ax.plot(xs, ys, label=label, marker="." if len(xs) < 50 else None)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
