@@ -140,10 +140,13 @@ class LossConfig(_Section):
     beta: float = Field(1e3, ge=0)
     kl: Literal["k1", "k3"] = "k1"
     official_compat: bool = False
+    # Questions in the objective's denominator: all of the mini-batch (the authors' code) or only those with a
+    # positive and a negative rollout.
+    divisor: Literal["all", "valid"] = "all"
     # Largest |log pi_theta - log pi_old| fed to exp() in the L-ratio score (clamped, counted).
     max_log_ratio: float = Field(20.0, gt=0)
     # GRPO family.
-    clip_eps: float = Field(0.2, gt=0)
+    clip_eps: float = Field(0.2, gt=0, lt=1)
     clip_eps_high: float | None = Field(None, gt=0)
     kl_coef: float = Field(0.0, ge=0)
     entropy_coef: float = Field(0.0, ge=0)

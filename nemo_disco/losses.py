@@ -1,0 +1,1033 @@
+"""DisCO objectives (arXiv 2505.12366) and their baselines as pure tensor functions.
+
+Every loss is split in two:
+
+1. ``stats(logprobs, old_logprobs, mask, ...) -> [N, K]``: per-rollout statistics, each a function of
+   that rollout's own tokens only (a token-mean score, a token-sum of per-token KL terms, the token
+   count, clipped-token counts). They never depend on the padding width T, so micro-batches of any
+   width give the same rows; constant normalisers (Dr. GRPO's max response length) are
+   hyper-parameters.
+2. ``objective(stats [N, K], group_ids, rewards, ...) -> (loss, metrics)``: any (nonlinear) function
+   of the statistics of the whole mini-batch: grouping by question, the DRO log-mean-exp, the KL
+   constraint, every denominator.
+
+This makes the mini-batch gradient exact for any micro-batching and data-parallel layout. By the
+chain rule ``dL/dtheta = sum_i sum_k (dL/dstats[i, k]) * dstats[i, k]/dtheta``, so the trainer
+
+* pass 1: computes the stats of the whole mini-batch without grad (all-gathered over data-parallel ranks),
+* calls :func:`coefficients` once: ``c = dL/dstats`` by autograd on that small [N, K] tensor,
+* pass 2: backwards ``surrogate(c[rows], stats(micro-batch))`` per micro-batch and SUMS the gradients
+  over micro-batches and ranks (never averages).
+
+Losses are minimised: ``loss = -objective + penalty (+ regularisers)``. Positives are rollouts with
+``reward > positive_threshold`` (0.5 suits {0, 1} rewards, 0.0 suits {-1, +1}).
+
+Denominators (Q = questions = distinct group ids of the mini-batch, N = rollouts, n_i = valid tokens
+of rollout i, T_tot = sum_i n_i):
+
+=========  ============================================  ====================================
+loss       objective                                      constraint / regulariser
+=========  ============================================  ====================================
+disco      sum_q term_q / Q  (``divisor="valid"``: only   KL token mean over T_tot (eq. 9)
+           questions with a positive AND a negative)
+discob     same as disco                                  same as disco
+grpo       mean over N of the per-rollout token mean      kl_coef x mean over N of the token
+                                                          mean of k3(theta || ref)
+grpo_rw    sum_q term_q / Q, like disco                   same as grpo
+dr_grpo    mean over N of token SUM / max_response_tokens same as grpo with the same aggregation
+dapo       sum over all tokens / T_tot                    none
+grpo_er    as grpo                                        as grpo, minus entropy_coef x entropy
+                                                          token mean over T_tot
+=========  ============================================  ====================================
+
+Rollout correction (``weights`` [N], e.g. from :func:`rollout_weights`): in the DisCO family and GRPO_RW
+every mean over a question's positives or negatives is a self-normalised weighted mean
+(:func:`weighted_group_mean`, :func:`weighted_group_logmeanexp`; the DRO term becomes
+``tau log(sum_j w_j exp(s_j / tau) / sum_j w_j)``); in GRPO, Dr. GRPO and DAPO each rollout's loss (each
+token's, for DAPO) is multiplied by w_i, its KL regulariser included. Denominators N, Q and T_tot stay
+unweighted, and so do DisCO's KL constraint and GRPO-ER's entropy bonus. ``weights=None`` means all 1.
+
+Departures from the paper: questions with no positive or no negative add 0 (Algorithm 1 is undefined
+for them) and, by default, still count in Q (as the authors' code does); the L-ratio exponent is
+clamped at +-``max_log_ratio`` (counted in ``lratio_clamped``). Departures from the authors' code
+(reference: their ``core_algos.py``), each reproducible with ``official_compat=True``: the constraint
+gradient here is the paper's ``2 beta [K - delta]_+ dK`` (the code's is half), and the DRO term uses
+log-MEAN-exp (the code: log-SUM-exp, a constant ``tau log |N_q|`` away). Unlike the code, the objective
+is that of the whole mini-batch (the code groups and normalises per micro-batch), the logged objective
+is its true value (the code logs a surrogate of value ~1), and positives are thresholded (the code needs
+reward exactly 1 / 0).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from nemo_disco.config import ConfigError
+
+# GRPO's advantage normaliser: A = (r - mean) / (std + ADV_EPS).
+ADV_EPS = 1e-6
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Hyper-parameters: one frozen dataclass per loss family; its fields are exactly the keyword arguments the loss takes.
+
+_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "positive_threshold": (lambda v: isinstance(v, int | float) and math.isfinite(v), "a finite number"),
+    "kl": (lambda v: v in ("k1", "k3"), "'k1' or 'k3'"),
+    "max_log_ratio": (lambda v: isinstance(v, int | float) and v > 0, "> 0"),
+    "score": (lambda v: v in ("logl", "lratio"), "'logl' or 'lratio'"),
+    "tau": (lambda v: isinstance(v, int | float) and v > 0, "> 0"),
+    "delta": (lambda v: isinstance(v, int | float) and v >= 0, ">= 0"),
+    "beta": (lambda v: isinstance(v, int | float) and v >= 0, ">= 0"),
+    "official_compat": (lambda v: isinstance(v, bool), "a bool"),
+    "divisor": (lambda v: v in ("all", "valid"), "'all' or 'valid'"),
+    "clip_eps": (lambda v: isinstance(v, int | float) and 0 < v < 1, "in (0, 1)"),
+    "clip_eps_high": (lambda v: v is None or (isinstance(v, int | float) and v > 0), "None or > 0"),
+    "kl_coef": (lambda v: isinstance(v, int | float) and v >= 0, ">= 0"),
+    "entropy_coef": (lambda v: isinstance(v, int | float) and v >= 0, ">= 0"),
+    "max_response_tokens": (lambda v: isinstance(v, int) and v >= 1, "an int >= 1"),
+}
+
+
+@dataclass(frozen=True)
+class _Hyper:
+    """Hyper-parameters every loss takes."""
+
+    positive_threshold: float = 0.5
+    # Estimator of KL(pi_old || pi_theta): the constraint of DisCO, a monitored metric for the GRPO family.
+    kl: str = "k1"
+    max_log_ratio: float = 20.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            ok, want = _CHECKS[f.name]
+            value = getattr(self, f.name)
+            if not ok(value):
+                raise ValueError(f"{f.name}={value!r} must be {want}")
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether these settings need the reference policy's log-probs."""
+        return False
+
+
+@dataclass(frozen=True)
+class DiscoParams(_Hyper):
+    """DisCO (eq. 10-11): score, DRO temperature, KL constraint (eq. 9), compat switch, divisor."""
+
+    score: str = "logl"
+    tau: float = 10.0
+    delta: float = 1e-4
+    beta: float = 1e3
+    official_compat: bool = False
+    divisor: str = "all"
+
+
+@dataclass(frozen=True)
+class DiscobParams(_Hyper):
+    """DisCO-b (eq. 7-8): as DisCO without tau."""
+
+    score: str = "logl"
+    delta: float = 1e-4
+    beta: float = 1e3
+    official_compat: bool = False
+    divisor: str = "all"
+
+
+@dataclass(frozen=True)
+class ClipParams(_Hyper):
+    """PPO-clipped GRPO family: clip range (clip_eps_high None = symmetric) and KL regulariser to a reference."""
+
+    clip_eps: float = 0.2
+    clip_eps_high: float | None = None
+    kl_coef: float = 0.0
+
+    @property
+    def needs_reference(self) -> bool:
+        """The KL regulariser (kl_coef > 0) needs the reference policy's log-probs."""
+        return self.kl_coef > 0
+
+
+@dataclass(frozen=True)
+class GrpoRwParams(ClipParams):
+    """GRPO_RW (eq. 6): the question average uses the same divisor switch as DisCO."""
+
+    divisor: str = "all"
+
+
+@dataclass(frozen=True)
+class DrGrpoParams(ClipParams):
+    """Dr. GRPO: the constant token-sum normaliser (the generation's max response length)."""
+
+    max_response_tokens: int = 8192
+
+
+@dataclass(frozen=True)
+class DapoParams(_Hyper):
+    """DAPO: clip-higher (eps_low 0.2, eps_high 0.28; DAPO paper §3.1), no KL term."""
+
+    clip_eps: float = 0.2
+    clip_eps_high: float | None = 0.28
+
+
+@dataclass(frozen=True)
+class GrpoErParams(ClipParams):
+    """GRPO-ER: GRPO plus an entropy bonus."""
+
+    entropy_coef: float = 1e-3
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The Loss object, registry and the trainer-facing helpers.
+
+
+@dataclass(frozen=True)
+class Loss:
+    """One objective: per-rollout statistics + a mini-batch objective of them.
+
+    Attributes:
+        name: registry key.
+        stat_names: column order of the [N, K] statistics tensor.
+        needs_entropy: ``stats`` needs the per-token entropy [N, T].
+        needs_reference: ``stats`` needs the reference policy's log-probs [N, T]. For the GRPO family this
+            depends on ``kl_coef``: :func:`get_loss` with hyper-parameters (or :meth:`bind`) resolves it.
+        hparams: frozen dataclass whose fields (and defaults) are the hyper-parameters this loss takes.
+        stats_fn: ``(logprobs, old_logprobs, mask, entropy, ref_logprobs, params) -> [N, K]``.
+        objective_fn: ``(stats, group_ids, rewards, weights, params) -> (loss, metrics)``.
+    """
+
+    name: str
+    stat_names: tuple[str, ...]
+    needs_entropy: bool
+    needs_reference: bool
+    hparams: type[_Hyper]
+    stats_fn: Callable[..., Tensor]
+    objective_fn: Callable[..., tuple[Tensor, dict[str, Tensor | float]]]
+
+    def params(self, **hp: Any) -> _Hyper:
+        """Validate hyper-parameters into this loss's params dataclass.
+
+        Raises:
+            ValueError: one line naming the loss and the unknown or invalid key.
+        """
+        names = [f.name for f in fields(self.hparams)]
+        unknown = sorted(set(hp) - set(names))
+        if unknown:
+            raise ValueError(f"loss {self.name!r} got unknown hyper-parameter(s) {unknown}; it takes {names}")
+        try:
+            return self.hparams(**hp)
+        except ValueError as err:
+            raise ValueError(f"loss {self.name!r}: {err}") from None
+
+    def bind(self, **hp: Any) -> Loss:
+        """This loss with ``needs_reference`` resolved for these hyper-parameters (validated)."""
+        p = self.params(**hp)
+        return replace(self, needs_reference=self.needs_reference or p.needs_reference)
+
+    def stats(
+        self,
+        logprobs: Tensor,
+        old_logprobs: Tensor,
+        mask: Tensor,
+        *,
+        entropy: Tensor | None = None,
+        ref_logprobs: Tensor | None = None,
+        **hp: Any,
+    ) -> Tensor:
+        """Per-rollout statistics [N, K] (columns ``stat_names``), differentiable w.r.t. ``logprobs``.
+
+        Args:
+            logprobs: [N, T] current token log-probs (with grad in pass 2).
+            old_logprobs: [N, T] pi_old's token log-probs.
+            mask: [N, T] bool (or 0/1), True on response tokens.
+            entropy: [N, T] per-token entropy (only used when ``needs_entropy``).
+            ref_logprobs: [N, T] reference log-probs (only used by the GRPO family's KL regulariser).
+            **hp: this loss's hyper-parameters (see ``hparams``); the objective's ones are accepted too.
+        """
+        p = self.params(**hp)
+        _check_tokens(logprobs, old_logprobs, mask, entropy=entropy, ref_logprobs=ref_logprobs)
+        if self.needs_entropy and entropy is None:
+            raise ValueError(f"loss {self.name!r} needs entropy=[N, T] (per-token entropy of the policy)")
+        if p.needs_reference and ref_logprobs is None:
+            raise ValueError(
+                f"loss {self.name!r} with kl_coef={getattr(p, 'kl_coef', None)} > 0 needs ref_logprobs=[N, T]; "
+                "build it with losses.get_loss(name, **hp) so that needs_reference is set"
+            )
+        return self.stats_fn(logprobs, old_logprobs, mask, entropy, ref_logprobs, p)
+
+    def objective(
+        self,
+        stats: Tensor,
+        group_ids: Tensor,
+        rewards: Tensor,
+        *,
+        weights: Tensor | None = None,
+        **hp: Any,
+    ) -> tuple[Tensor, dict[str, Tensor | float]]:
+        """The mini-batch loss (0-dim, differentiable w.r.t. ``stats``) and its metrics (detached).
+
+        Args:
+            stats: [N, K] statistics of the whole mini-batch (columns ``stat_names``).
+            group_ids: [N] int64 question ids, any order, any group sizes.
+            rewards: [N] float.
+            weights: [N] float >= 0 rollout weights (rollout correction) or None (all 1).
+            **hp: this loss's hyper-parameters.
+        """
+        p = self.params(**hp)
+        n = stats.shape[0]
+        if stats.dim() != 2 or stats.shape[1] != len(self.stat_names):
+            raise ValueError(f"loss {self.name!r}: stats must be [N, {len(self.stat_names)}], got {list(stats.shape)}")
+        if n == 0:
+            raise ValueError(f"loss {self.name!r}: empty mini-batch (stats has 0 rows)")
+        for key, t in (("group_ids", group_ids), ("rewards", rewards), ("weights", weights)):
+            if t is not None and tuple(t.shape) != (n,):
+                raise ValueError(f"loss {self.name!r}: {key} must be [{n}], got {list(t.shape)}")
+        group_ids = group_ids.to(stats.device)
+        rewards = rewards.to(stats.device, stats.dtype)
+        if weights is not None:
+            weights = weights.detach().to(stats.device, stats.dtype)
+            if not bool(torch.isfinite(weights).all()) or bool((weights < 0).any()):
+                raise ValueError(f"loss {self.name!r}: weights must be finite and >= 0")
+        return self.objective_fn(stats, group_ids, rewards, weights, p)
+
+    def __call__(
+        self,
+        logprobs: Tensor,
+        old_logprobs: Tensor,
+        mask: Tensor,
+        group_ids: Tensor,
+        rewards: Tensor,
+        *,
+        entropy: Tensor | None = None,
+        ref_logprobs: Tensor | None = None,
+        weights: Tensor | None = None,
+        **hp: Any,
+    ) -> tuple[Tensor, dict[str, float]]:
+        """``loss, metrics = fn(logprobs, old_logprobs, mask, group_ids, rewards, **hyperparameters)``.
+
+        The full-batch loss (differentiable w.r.t. ``logprobs``) and its metrics as python floats.
+        """
+        st = self.stats(logprobs, old_logprobs, mask, entropy=entropy, ref_logprobs=ref_logprobs, **hp)
+        loss, metrics = self.objective(st, group_ids, rewards, weights=weights, **hp)
+        return loss, _floats(metrics, loss)
+
+
+def get_loss(name: str, **hp: Any) -> Loss:
+    """The registered loss ``name``; with hyper-parameters, validated and bound (``needs_reference`` resolved).
+
+    Raises:
+        ValueError: unknown name (the message lists the valid names) or invalid hyper-parameters.
+    """
+    if name not in LOSSES:
+        raise ValueError(f"unknown loss {name!r}; valid names: {', '.join(LOSSES)}")
+    return LOSSES[name].bind(**hp) if hp else LOSSES[name]
+
+
+# Hyper-parameters that live outside the ``loss`` section of the config.
+_CONFIG_PATHS: dict[str, tuple[str, str]] = {
+    "positive_threshold": ("reward", "positive_threshold"),
+    "max_response_tokens": ("generation", "max_response_tokens"),
+}
+# Config values that switch a term on; setting one for a loss without that term would be silently ignored.
+_SWITCHES = ("kl_coef", "entropy_coef")
+
+
+def loss_kwargs(cfg: Any) -> dict[str, Any]:
+    """The hyper-parameters the chosen loss takes, read from a ``nemo_disco.config.RunConfig``.
+
+    From ``cfg.loss`` (its fields of the same name), ``cfg.reward.positive_threshold`` and, for
+    ``dr_grpo``, ``cfg.generation.max_response_tokens``. A hyper-parameter the schema lacks keeps the
+    loss's default.
+
+    Raises:
+        ConfigError: ``loss.kl_coef`` / ``loss.entropy_coef`` set for a loss that has no such term, or an
+            invalid value.
+    """
+    loss = get_loss(cfg.loss.name)
+    names = [f.name for f in fields(loss.hparams)]
+    hp: dict[str, Any] = {}
+    for key in names:
+        if key in _CONFIG_PATHS:
+            section, field = _CONFIG_PATHS[key]
+            hp[key] = getattr(getattr(cfg, section), field)
+        elif key in type(cfg.loss).model_fields:
+            hp[key] = getattr(cfg.loss, key)
+    for key in _SWITCHES:
+        if key not in names and getattr(cfg.loss, key) != 0:
+            raise ConfigError(f"loss.{key}={getattr(cfg.loss, key)} has no effect with loss.name={loss.name}")
+    try:
+        loss.params(**hp)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    return hp
+
+
+def coefficients(
+    loss: Loss,
+    stats: Tensor,
+    group_ids: Tensor,
+    rewards: Tensor,
+    *,
+    weights: Tensor | None = None,
+    **hp: Any,
+) -> tuple[Tensor, float, dict[str, float]]:
+    """``c = dL/dstats`` of the whole mini-batch objective, the loss value and its metrics.
+
+    The objective is evaluated in float64 on a detached leaf copy of ``stats`` and differentiated with
+    ``torch.autograd.grad``; nothing else is touched.
+
+    Args:
+        loss: the :class:`Loss`.
+        stats: [N, K] statistics of the whole mini-batch (pass 1, gathered over data-parallel ranks).
+        group_ids: [N] question ids.
+        rewards: [N] rewards.
+        weights: [N] rollout weights or None.
+        **hp: the loss's hyper-parameters.
+
+    Returns:
+        ``(c [N, K] detached, in stats' dtype and device; loss value; metrics as python floats)``.
+    """
+    leaf = stats.detach().to(torch.float64).requires_grad_(True)
+    with torch.enable_grad():
+        value, metrics = loss.objective(leaf, group_ids, rewards, weights=weights, **hp)
+        (grad,) = torch.autograd.grad(value, leaf, allow_unused=True)
+    coeffs = torch.zeros_like(leaf) if grad is None else grad
+    floats = _floats(metrics, value)
+    return coeffs.to(stats.dtype), floats["loss"], floats
+
+
+def surrogate(coeffs: Tensor, stats: Tensor) -> Tensor:
+    """``sum(coeffs * stats)``: its gradient, summed over micro-batches and ranks, is the full-batch gradient.
+
+    Args:
+        coeffs: [n, K] rows of :func:`coefficients` for the micro-batch's rollouts (detached here).
+        stats: [n, K] the micro-batch's statistics, with grad.
+    """
+    if coeffs.shape != stats.shape:
+        raise ValueError(f"surrogate: coeffs {list(coeffs.shape)} and stats {list(stats.shape)} differ")
+    return (coeffs.detach() * stats).sum()
+
+
+def rollout_weights(
+    old_logprobs: Tensor,
+    gen_logprobs: Tensor,
+    mask: Tensor,
+    *,
+    mode: str = "none",
+    cap: float = 2.0,
+) -> tuple[Tensor | None, dict[str, float]]:
+    """Per-rollout importance weights for the generator / trainer log-prob mismatch (detached).
+
+    ``seq_tis`` (sequence-level truncated importance sampling): ``w_i = min(exp(sum_t m (old - gen)), cap)``,
+    the likelihood ratio pi_old(o_i) / pi_gen(o_i) of the whole response, truncated at ``cap``; computed in
+    log space so it never overflows. The objectives use them as self-normalised weights within a question
+    (DisCO family) or as per-rollout loss multipliers (GRPO family).
+
+    Args:
+        old_logprobs: [N, T] the training policy's (pi_old) token log-probs.
+        gen_logprobs: [N, T] the generator's sampling token log-probs.
+        mask: [N, T] response tokens.
+        mode: ``"none"`` (returns ``(None, {})``) or ``"seq_tis"``.
+        cap: truncation C > 0.
+
+    Returns:
+        ``(weights [N] float64 or None, metrics)``: ``mismatch/truncated_share`` (rollouts whose ratio
+        exceeds cap), ``mismatch/weight_mean``, ``mismatch/weight_min``, ``mismatch/weight_max``,
+        ``mismatch/weight_ess_share`` ((sum w)^2 / (N sum w^2)).
+    """
+    if mode == "none":
+        return None, {}
+    if mode != "seq_tis":
+        raise ValueError(f"rollout correction mode={mode!r} must be 'none' or 'seq_tis'")
+    if not cap > 0:
+        raise ValueError(f"rollout correction cap={cap} must be > 0")
+    _check_tokens(old_logprobs, gen_logprobs, mask)
+    with torch.no_grad():
+        m = mask.bool()
+        diff = torch.where(m, old_logprobs.double() - gen_logprobs.double(), 0.0)  # [N, T]
+        log_ratio = diff.sum(1)  # [N]
+        log_cap = math.log(cap)
+        w = torch.exp(log_ratio.clamp(max=log_cap))  # [N]
+        n = max(int(w.numel()), 1)
+        metrics = {
+            "mismatch/truncated_share": float((log_ratio > log_cap).double().sum()) / n,
+            "mismatch/weight_mean": float(w.mean()) if w.numel() else 0.0,
+            "mismatch/weight_min": float(w.min()) if w.numel() else 0.0,
+            "mismatch/weight_max": float(w.max()) if w.numel() else 0.0,
+            "mismatch/weight_ess_share": float(w.sum() ** 2 / (n * (w**2).sum())) if w.numel() else 0.0,
+        }
+    return w, metrics
+
+
+def mismatch_metrics(old_logprobs: Tensor, gen_logprobs: Tensor, mask: Tensor) -> dict[str, float]:
+    """How far the generator's log-probs are from the training policy's (monitoring only).
+
+    With ``d = old - gen`` per valid token:
+
+    * ``mismatch/kl_k3``: token mean of ``exp(d) - 1 - d``, the k3 estimator of KL(pi_gen || pi_old)
+      (tokens are sampled from pi_gen),
+    * ``mismatch/max_abs_logprob_diff``: max |d|,
+    * ``mismatch/seq_logratio_mean`` / ``_std``: mean / population std over rollouts of sum_t d.
+
+    Args:
+        old_logprobs: [N, T] the training policy's token log-probs.
+        gen_logprobs: [N, T] the generator's token log-probs.
+        mask: [N, T] response tokens.
+    """
+    _check_tokens(old_logprobs, gen_logprobs, mask)
+    with torch.no_grad():
+        m = mask.bool()
+        d = torch.where(m, old_logprobs.double() - gen_logprobs.double(), 0.0)  # [N, T]
+        tokens = int(m.sum())
+        seq = d.sum(1)  # [N]
+        return {
+            "mismatch/kl_k3": float(torch.where(m, torch.expm1(d) - d, 0.0).sum()) / max(tokens, 1),
+            "mismatch/max_abs_logprob_diff": float(d.abs().max()) if d.numel() else 0.0,
+            "mismatch/seq_logratio_mean": float(seq.mean()) if seq.numel() else 0.0,
+            "mismatch/seq_logratio_std": float(seq.std(correction=0)) if seq.numel() else 0.0,
+        }
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Group helpers: pure functions of per-rollout vectors and a dense question index.
+
+
+def group_index(group_ids: Tensor) -> tuple[Tensor, int]:
+    """Dense question index [N] in 0..Q-1 (order of the sorted distinct ids) and Q."""
+    uniq, inv = torch.unique(group_ids, return_inverse=True)
+    return inv, int(uniq.numel())
+
+
+def _rollout_weights(values: Tensor, select: Tensor, weights: Tensor | None) -> Tensor:
+    """[N] weight of each rollout inside a selection: w_i on selected rows, 0 elsewhere."""
+    ones = torch.ones_like(values) if weights is None else weights.to(values.dtype)
+    return torch.where(select, ones, 0.0)
+
+
+def weighted_group_mean(
+    values: Tensor, index: Tensor, num_groups: int, select: Tensor, weights: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """Self-normalised weighted mean per group over the selected rows.
+
+    ``mean_q = sum_{i in q, select_i} w_i v_i / sum_{i in q, select_i} w_i`` (0 where that weight sum is 0).
+
+    Args:
+        values: [N] per-rollout values.
+        index: [N] dense group index (:func:`group_index`).
+        num_groups: Q.
+        select: [N] bool, the rows that take part (e.g. the positives).
+        weights: [N] rollout weights, or None for all 1.
+
+    Returns:
+        ``(mean [Q], weight_sum [Q])``.
+    """
+    w = _rollout_weights(values, select, weights)  # [N]
+    num = values.new_zeros(num_groups).index_add(0, index, w * torch.where(select, values, 0.0))  # [Q]
+    den = values.new_zeros(num_groups).index_add(0, index, w)  # [Q]
+    has = den > 0
+    return torch.where(has, num / torch.where(has, den, 1.0), 0.0), den
+
+
+def weighted_group_logmeanexp(
+    values: Tensor, index: Tensor, num_groups: int, select: Tensor, weights: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """Weighted log-mean-exp per group over the selected rows, with max subtraction.
+
+    ``lme_q = log(sum_{i in q, select_i} w_i exp(v_i) / sum_{i in q, select_i} w_i)`` (0 where the weight sum
+    is 0). With all weights 1 this is ``logsumexp - log(count)``.
+
+    Args:
+        values: [N] per-rollout values.
+        index: [N] dense group index (:func:`group_index`).
+        num_groups: Q.
+        select: [N] bool, the rows that take part (e.g. the negatives).
+        weights: [N] rollout weights, or None for all 1.
+
+    Returns:
+        ``(lme [Q], weight_sum [Q])``.
+    """
+    w = _rollout_weights(values, select, weights)  # [N]
+    live = w > 0
+    # The max over rows that carry weight keeps exp() in range; it is a constant shift (no gradient needed).
+    peak = values.new_full((num_groups,), -math.inf)
+    peak = peak.scatter_reduce(0, index, torch.where(live, values.detach(), -math.inf), "amax")  # [Q]
+    peak = torch.where(torch.isfinite(peak), peak, 0.0)
+    shifted = torch.where(live, values - peak[index], 0.0)  # [N]
+    total = values.new_zeros(num_groups).index_add(0, index, w * torch.exp(shifted))  # [Q]
+    den = values.new_zeros(num_groups).index_add(0, index, w)  # [Q]
+    has = den > 0
+    lme = peak + torch.log(torch.where(has, total, 1.0)) - torch.log(torch.where(has, den, 1.0))
+    return torch.where(has, lme, 0.0), den
+
+
+def _divisor(kind: str, num_groups: int, valid: Tensor) -> Tensor | int:
+    """Q (``all``) or the number of questions with a positive and a negative (``valid``, at least 1)."""
+    return num_groups if kind == "all" else valid.sum().clamp(min=1)
+
+
+def _group_metrics(
+    index: Tensor,
+    num_groups: int,
+    rewards: Tensor,
+    pos: Tensor,
+    pos_score: Tensor,
+    neg_score: Tensor,
+) -> dict[str, Tensor | float]:
+    """Question-level counts and score summaries (detached)."""
+    with torch.no_grad():
+        count = torch.bincount(index, minlength=num_groups).to(rewards.dtype)  # [Q]
+        n_pos = rewards.new_zeros(num_groups).index_add(0, index, pos.to(rewards.dtype))  # [Q]
+        r_max = rewards.new_full((num_groups,), -math.inf).scatter_reduce(0, index, rewards, "amax")
+        r_min = rewards.new_full((num_groups,), math.inf).scatter_reduce(0, index, rewards, "amin")
+        no_pos = (n_pos == 0).sum()
+        no_neg = (n_pos == count).sum()
+        neg = ~pos
+        return {
+            "questions": float(num_groups),
+            "no_positive": no_pos,
+            "no_negative": no_neg,
+            "no_positive_share": no_pos / num_groups,
+            "no_negative_share": no_neg / num_groups,
+            "zero_variance_share": (r_max == r_min).sum() / num_groups,
+            "p_mean": (n_pos / count).mean(),
+            # 0 when the mini-batch has no positive (no negative) rollout.
+            "score_pos_mean": torch.where(pos, pos_score, 0.0).sum() / pos.sum().clamp(min=1),
+            "score_neg_mean": torch.where(neg, neg_score, 0.0).sum() / neg.sum().clamp(min=1),
+        }
+
+
+def _floats(metrics: dict[str, Tensor | float], loss: Tensor) -> dict[str, float]:
+    """Metrics as python floats with one device sync; adds ``loss``."""
+    out = {k: v for k, v in metrics.items() if not isinstance(v, Tensor)}
+    keys = [k for k, v in metrics.items() if isinstance(v, Tensor)]
+    values = torch.stack([metrics[k].detach().to(torch.float64).reshape(()) for k in keys] + [loss.detach().double()])
+    flat = values.tolist()
+    out.update({k: float(v) for k, v in zip(keys, flat[:-1], strict=True)})
+    out["loss"] = float(flat[-1])
+    return {k: float(v) for k, v in out.items()}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Token-level helpers (the only code that sees [N, T]).
+
+
+def _check_tokens(logprobs: Tensor, other: Tensor, mask: Tensor, **optional: Tensor | None) -> None:
+    if logprobs.dim() != 2:
+        raise ValueError(f"logprobs must be [N, T], got {list(logprobs.shape)}")
+    for key, t in (("old/gen logprobs", other), ("mask", mask), *optional.items()):
+        if t is not None and t.shape != logprobs.shape:
+            raise ValueError(f"{key} must be {list(logprobs.shape)} like logprobs, got {list(t.shape)}")
+
+
+def _log_ratio(logprobs: Tensor, base: Tensor, m: Tensor) -> Tensor:
+    """Token log-ratio ``logprobs - base`` on valid tokens, exactly 0 on padding. [N, T] -> [N, T].
+
+    Padding may hold anything (even inf or nan): ``where`` keeps it out of values and gradients, and the
+    exact zeros make exp(0) - 1 = 0 there, so sums over padding add nothing.
+    """
+    return torch.where(m, logprobs - base, 0.0)
+
+
+def _clamp_counted(raw: Tensor, bound: float) -> tuple[Tensor, Tensor]:
+    """``clamp(raw, -bound, bound)`` and the number of clamped tokens per row [N] (no gradient)."""
+    clamped = raw.detach().abs().gt_(bound).sum(1, dtype=raw.dtype)  # [N]
+    return raw.clamp(-bound, bound), clamped
+
+
+def _kl_sum(raw: Tensor, d: Tensor | None, kind: str) -> Tensor:
+    """Per-row sum of the KL(pi_old || pi_theta) estimator (tokens sampled from pi_old). [N, T] -> [N].
+
+    With ``raw = log rho = logp - old_logp`` and ``d`` its clamp: ``k1 = old - new = -raw``;
+    ``k3 = rho - 1 - log rho`` (the low-variance estimator; exponent clamped).
+    """
+    return -raw.sum(1) if kind == "k1" else (torch.expm1(d) - d).sum(1)
+
+
+def _masked_sum(x: Tensor, m: Tensor) -> Tensor:
+    return torch.where(m, x, 0.0).sum(1)  # [N, T] -> [N]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# DisCO / DisCO-b: score statistics.
+
+SCORE_STATS = ("score", "kl_sum", "tokens", "clamped")
+
+
+def score_stats(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    mask: Tensor,
+    entropy: Tensor | None,
+    ref_logprobs: Tensor | None,
+    p: DiscoParams | DiscobParams,
+) -> Tensor:
+    """DisCO statistics [N, 4]: ``score``, ``kl_sum``, ``tokens``, ``clamped``.
+
+    * ``score`` s_i (§5.1): ``logl`` = mean over the rollout's tokens of log pi_theta; ``lratio`` = mean of
+      pi_theta / pi_old = exp(clamp(logp - old_logp, +-max_log_ratio)). A rollout without tokens scores 0.
+    * ``kl_sum``: sum over its tokens of the KL(pi_old || pi_theta) estimator (``kl``: k1 or k3).
+    * ``tokens`` n_i (constant) and ``clamped`` (tokens whose log-ratio hit the clamp; no gradient).
+    """
+    m = mask.bool()
+    n = m.sum(1, dtype=logprobs.dtype)  # [N]
+    raw = _log_ratio(logprobs, old_logprobs, m)  # [N, T]
+    d, clamped = (None, torch.zeros_like(n))
+    if p.score == "lratio" or p.kl == "k3":
+        d, clamped = _clamp_counted(raw, p.max_log_ratio)  # [N, T], [N]
+    if p.score == "logl":
+        total = _masked_sum(logprobs, m)  # [N]
+    else:
+        total = torch.expm1(d).sum(1) + n  # sum_t exp(d) over valid tokens (padding: expm1(0) = 0)
+    score = total / n.clamp(min=1)  # [N]
+    return torch.stack([score, _kl_sum(raw, d, p.kl), n, clamped], dim=1)  # [N, 4]
+
+
+def _kl_constraint(kl_sum: Tensor, tokens: Tensor, p: DiscoParams | DiscobParams) -> tuple[Tensor, Tensor]:
+    """K = token mean of the KL estimator over all valid tokens of the mini-batch, and its penalty.
+
+    Paper (eq. 9, alg. 1): ``beta * [K - delta]_+^2`` (gradient ``2 beta [K - delta]_+ dK``). Authors' code
+    (``official_compat``): ``sg(max(beta (K - delta), 0)) * K`` (gradient ``beta [K - delta]_+ dK``; value as
+    the code computes it).
+    """
+    K = kl_sum.sum() / tokens.sum().clamp(min=1)
+    if p.official_compat:
+        return K, (p.beta * (K - p.delta)).clamp(min=0).detach() * K
+    return K, p.beta * (K - p.delta).clamp(min=0) ** 2
+
+
+def _constrained(
+    J: Tensor, stats: Tensor, p: DiscoParams | DiscobParams, metrics: dict[str, Tensor | float]
+) -> tuple[Tensor, dict[str, Tensor | float]]:
+    """Return ``-J + penalty`` and the constraint metrics."""
+    K, penalty = _kl_constraint(stats[:, 1], stats[:, 2], p)
+    loss = -J + penalty
+    metrics.update(
+        objective=J.detach(),
+        kl=K.detach(),
+        constraint_active=(K.detach() > p.delta).to(stats.dtype),
+        penalty=penalty.detach(),
+        lratio_clamped=stats[:, 3].detach().sum(),
+    )
+    return loss, metrics
+
+
+def disco_objective(
+    stats: Tensor, group_ids: Tensor, rewards: Tensor, weights: Tensor | None, p: DiscoParams
+) -> tuple[Tensor, dict[str, Tensor | float]]:
+    """DisCO (eq. 10-11, alg. 1): DRO objective J_2 under the KL constraint.
+
+    Per question q with positives P_q and negatives N_q (w = rollout weights, 1 when None; each mean is
+    self-normalised)::
+
+        term_q = mean_w_{i in P_q} s_i - tau * log( sum_{j in N_q} w_j exp(s_j / tau) / sum_{j in N_q} w_j )
+
+    (= the mean over positives of ``-tau log mean_neg exp((s_j - s_i) / tau)``). Questions without a
+    positive or a negative add 0. **Objective denominator**: J = sum_q term_q / Q with Q all questions of the
+    mini-batch (``divisor="all"``) or those with both (``"valid"``). **Constraint denominator**: K is the token
+    mean over all valid tokens of the mini-batch (unweighted). Loss = -J + beta [K - delta]_+^2.
+
+    ``official_compat=True`` (authors' code): log-SUM-exp over negatives (J lower by
+    ``tau log |N_q| / divisor`` per valid question, same gradient; with weights, the weighted log-mean-exp plus
+    ``log |N_q|``) and the penalty ``sg(max(beta (K - delta), 0)) K`` (half the paper's gradient; the value is
+    the code's). The authors' code logs a surrogate of value ~1 for the DRO term; the objective here is the true
+    log-sum-exp value.
+    """
+    score = stats[:, 0]  # [N]
+    inv, Q = group_index(group_ids)
+    pos = rewards > p.positive_threshold  # [N]
+    mean_pos, w_pos = weighted_group_mean(score, inv, Q, pos, weights)  # [Q]
+    lme_neg, w_neg = weighted_group_logmeanexp(score / p.tau, inv, Q, ~pos, weights)  # [Q]
+    if p.official_compat:
+        n_neg = score.new_zeros(Q).index_add(0, inv, (~pos).to(score.dtype))  # [Q]
+        lme_neg = lme_neg + torch.log(n_neg.clamp(min=1))
+    valid = (w_pos > 0) & (w_neg > 0)  # [Q]
+    term = torch.where(valid, mean_pos - p.tau * lme_neg, 0.0)  # [Q]  eq. 10
+    J = term.sum() / _divisor(p.divisor, Q, valid)
+    metrics = _group_metrics(inv, Q, rewards, pos, score.detach(), score.detach())
+    return _constrained(J, stats, p, metrics)
+
+
+def discob_objective(
+    stats: Tensor, group_ids: Tensor, rewards: Tensor, weights: Tensor | None, p: DiscobParams
+) -> tuple[Tensor, dict[str, Tensor | float]]:
+    """DisCO-b (eq. 7-8): mean score of positives minus mean score of negatives, under the KL constraint.
+
+    ``term_q = mean_w_{i in P_q} s_i - mean_w_{j in N_q} s_j`` (self-normalised weighted means; questions
+    without a positive or a negative add 0). **Objective denominator**: Q (``divisor="all"``) or the
+    questions with both (``"valid"``). **Constraint denominator**: token mean over all valid tokens of the
+    mini-batch, as DisCO. ``official_compat=True`` changes only the penalty to the code's
+    ``sg(max(beta (K - delta), 0)) K``.
+    """
+    score = stats[:, 0]  # [N]
+    inv, Q = group_index(group_ids)
+    pos = rewards > p.positive_threshold  # [N]
+    mean_pos, w_pos = weighted_group_mean(score, inv, Q, pos, weights)  # [Q]
+    mean_neg, w_neg = weighted_group_mean(score, inv, Q, ~pos, weights)  # [Q]
+    valid = (w_pos > 0) & (w_neg > 0)  # [Q]
+    term = torch.where(valid, mean_pos - mean_neg, 0.0)  # [Q]  eq. 7
+    J = term.sum() / _divisor(p.divisor, Q, valid)
+    metrics = _group_metrics(inv, Q, rewards, pos, score.detach(), score.detach())
+    return _constrained(J, stats, p, metrics)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# GRPO family: clipped-ratio statistics.
+
+CLIP_STATS = ("pos_sum", "neg_sum", "tokens", "clip_high", "clip_low", "kl_sum", "clamped", "ref_kl_sum", "ref_clamped")
+
+
+def clip_stats(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    mask: Tensor,
+    entropy: Tensor | None,
+    ref_logprobs: Tensor | None,
+    p: ClipParams | DapoParams,
+    *,
+    with_entropy: bool = False,
+) -> Tensor:
+    """PPO-clipped statistics [N, 9] (+ ``entropy_sum`` when ``with_entropy``).
+
+    With rho_t = exp(clamp(logp - old_logp, +-max_log_ratio)) and clip range [1 - eps_low, 1 + eps_high]:
+
+    * ``pos_sum`` = sum_t min(rho, clip(rho)) = sum_t min(rho, 1 + eps_high): the token term of an A > 0
+      rollout is A * min(rho, clip(rho)) (eq. 5, f+);
+    * ``neg_sum`` = sum_t max(rho, clip(rho)) = sum_t max(rho, 1 - eps_low): for A < 0 the term is
+      A * max(rho, clip(rho)) (eq. 5, f-). So min(rho A, clip(rho) A) is a function of these two sums;
+    * ``tokens``; ``clip_high`` / ``clip_low``: tokens with rho above / below the range (clip-fraction metric);
+    * ``kl_sum``: KL(pi_old || pi_theta) estimator (monitoring); ``clamped``: log-ratio clamps;
+    * ``ref_kl_sum``: sum_t of k3(theta || ref) = exp(ref - logp) - (ref - logp) - 1 (GRPO's regulariser;
+      0 without ``ref_logprobs``), ``ref_clamped``;
+    * ``entropy_sum``: sum_t of the per-token entropy.
+    """
+    m = mask.bool()
+    n = m.sum(1, dtype=logprobs.dtype)  # [N]
+    lo = 1.0 - p.clip_eps
+    hi = 1.0 + (p.clip_eps if p.clip_eps_high is None else p.clip_eps_high)
+    raw = _log_ratio(logprobs, old_logprobs, m)  # [N, T]
+    d, clamped = _clamp_counted(raw, p.max_log_ratio)  # [N, T], [N]
+    rho = torch.exp(d)  # [N, T]; exactly 1 on padding
+    pos_sum = _masked_sum(rho.clamp(max=hi), m)  # [N]
+    neg_sum = _masked_sum(rho.clamp(min=lo), m)  # [N]
+    # Padding has rho = 1, inside (lo, hi): no mask needed for the counts.
+    r = rho.detach()
+    clip_high = (r > hi).sum(1, dtype=logprobs.dtype)  # [N]
+    clip_low = (r < lo).sum(1, dtype=logprobs.dtype)  # [N]
+    kl_sum = _kl_sum(raw, d, p.kl)  # [N]
+    if ref_logprobs is not None and p.needs_reference:
+        dr, ref_clamped = _clamp_counted(_log_ratio(ref_logprobs, logprobs, m), p.max_log_ratio)  # log(ref / theta)
+        ref_kl = (torch.expm1(dr) - dr).sum(1)  # [N]  (0 on padding: dr = 0 there)
+    else:
+        ref_kl, ref_clamped = torch.zeros_like(n), torch.zeros_like(n)
+    cols = [pos_sum, neg_sum, n, clip_high, clip_low, kl_sum, clamped, ref_kl, ref_clamped]
+    if with_entropy:
+        cols.append(_masked_sum(entropy, m))
+    return torch.stack(cols, dim=1)  # [N, K]
+
+
+def _clip_parts(
+    stats: Tensor, rewards: Tensor, p: ClipParams | DapoParams
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Columns of :data:`CLIP_STATS` used by every GRPO-family objective."""
+    u, v, n, hi, lo = stats[:, 0], stats[:, 1], stats[:, 2], stats[:, 3], stats[:, 4]
+    return u, v, n, hi, lo, rewards > p.positive_threshold
+
+
+def _advantage(rewards: Tensor, index: Tensor, num_groups: int, *, normalise: bool) -> Tensor:
+    """Group-relative advantage [N]: r - mean_q r, divided by (population std_q r + ADV_EPS) if ``normalise``."""
+    count = torch.bincount(index, minlength=num_groups).to(rewards.dtype)  # [Q]
+    mean = rewards.new_zeros(num_groups).index_add(0, index, rewards) / count  # [Q]
+    centred = rewards - mean[index]  # [N]
+    if not normalise:
+        return centred
+    std = (rewards.new_zeros(num_groups).index_add(0, index, centred**2) / count).sqrt()  # [Q]
+    return centred / (std[index] + ADV_EPS)
+
+
+def _clipped_sum(adv: Tensor, u: Tensor, v: Tensor) -> Tensor:
+    """sum_t min(rho_t A, clip(rho_t) A) per rollout [N]: A * pos_sum if A > 0, else A * neg_sum (0 at A = 0)."""
+    return adv * torch.where(adv > 0, u, v)
+
+
+def _clip_frac(adv: Tensor, hi: Tensor, lo: Tensor, n: Tensor) -> Tensor:
+    """Share of valid tokens whose clipped term is the active one (no gradient).
+
+    Those are tokens with rho > 1 + eps_high in A > 0 rollouts and rho < 1 - eps_low in A < 0 rollouts.
+    """
+    clipped = torch.where(adv > 0, hi, torch.where(adv < 0, lo, 0.0))
+    return (clipped.sum() / n.sum().clamp(min=1)).detach()
+
+
+def _regularised(
+    J: Tensor,
+    stats: Tensor,
+    reg: Tensor,
+    metrics: dict[str, Tensor | float],
+    n: Tensor,
+) -> tuple[Tensor, dict[str, Tensor | float]]:
+    """Return ``-J + reg`` and the GRPO-family metrics shared by every variant."""
+    tokens = n.sum().clamp(min=1)
+    metrics.update(
+        objective=J.detach(),
+        kl=(stats[:, 5].sum() / tokens).detach(),
+        ref_kl=(stats[:, 7].sum() / tokens).detach(),
+        constraint_active=0.0,
+        penalty=reg.detach(),
+        lratio_clamped=stats[:, 6].detach().sum(),
+        ref_clamped=stats[:, 8].detach().sum(),
+    )
+    return -J + reg, metrics
+
+
+def _ones(n: Tensor, weights: Tensor | None) -> Tensor:
+    return torch.ones_like(n) if weights is None else weights
+
+
+def grpo_objective(
+    stats: Tensor, group_ids: Tensor, rewards: Tensor, weights: Tensor | None, p: ClipParams
+) -> tuple[Tensor, dict[str, Tensor | float]]:
+    """GRPO (§4, eq. 4-5): group-normalised advantage, PPO-clipped ratio surrogate.
+
+    ``A_i = (r_i - mean_q r) / (std_q r + 1e-6)`` with the POPULATION std of the question's rewards;
+    per token ``min(rho A, clip(rho, 1 - clip_eps, 1 + (clip_eps_high or clip_eps)) A)``.
+    **Objective denominator**: token mean within each rollout, then mean over the N rollouts:
+    ``J = (1/N) sum_i w_i sum_t min(...) / n_i``. **Regulariser denominator**: the same, on
+    ``kl_coef * k3(theta || ref)`` per token (off at kl_coef 0). Loss = -J + reg. Rollout weights w_i
+    multiply each rollout's loss (1 when None).
+    """
+    u, v, n, hi, lo, pos = _clip_parts(stats, rewards, p)
+    inv, Q = group_index(group_ids)
+    adv = _advantage(rewards, inv, Q, normalise=True)  # [N]
+    w = _ones(n, weights)
+    N = stats.shape[0]
+    J = (w * _clipped_sum(adv, u, v) / n.clamp(min=1)).sum() / N
+    reg = p.kl_coef * (w * stats[:, 7] / n.clamp(min=1)).sum() / N
+    metrics = _group_metrics(inv, Q, rewards, pos, (u / n.clamp(min=1)).detach(), (v / n.clamp(min=1)).detach())
+    metrics["clip_frac"] = _clip_frac(adv, hi, lo, n)
+    return _regularised(J, stats, reg, metrics, n)
+
+
+def grpo_rw_objective(
+    stats: Tensor, group_ids: Tensor, rewards: Tensor, weights: Tensor | None, p: GrpoRwParams
+) -> tuple[Tensor, dict[str, Tensor | float]]:
+    """GRPO_RW (eq. 6): GRPO with the question weight sqrt(p(1 - p)) removed.
+
+    ``term_q = mean_w_{i in P_q} f+(o_i) - mean_w_{j in N_q} f-(o_j)`` with f+ = token mean of
+    min(rho, clip(rho)) and f- = token mean of max(rho, clip(rho)) (eq. 5); questions without a positive
+    or a negative add 0. **Objective denominator**: Q (``divisor="all"``) or the questions with both
+    (``"valid"``), like DisCO. **Regulariser**: as GRPO (token mean per rollout, mean over N).
+    """
+    u, v, n, hi, lo, pos = _clip_parts(stats, rewards, p)
+    inv, Q = group_index(group_ids)
+    f_pos, f_neg = u / n.clamp(min=1), v / n.clamp(min=1)  # [N]
+    mean_pos, w_pos = weighted_group_mean(f_pos, inv, Q, pos, weights)  # [Q]
+    mean_neg, w_neg = weighted_group_mean(f_neg, inv, Q, ~pos, weights)  # [Q]
+    valid = (w_pos > 0) & (w_neg > 0)  # [Q]
+    J = torch.where(valid, mean_pos - mean_neg, 0.0).sum() / _divisor(p.divisor, Q, valid)
+    reg = p.kl_coef * (_ones(n, weights) * stats[:, 7] / n.clamp(min=1)).sum() / stats.shape[0]
+    metrics = _group_metrics(inv, Q, rewards, pos, f_pos.detach(), f_neg.detach())
+    # Positives take the min (clipped above), negatives the max (clipped below), in questions that count.
+    sign = torch.where(valid[inv], torch.where(pos, 1.0, -1.0), 0.0).to(stats.dtype)
+    metrics["clip_frac"] = _clip_frac(sign, hi, lo, n)
+    return _regularised(J, stats, reg, metrics, n)
+
+
+def dr_grpo_objective(
+    stats: Tensor, group_ids: Tensor, rewards: Tensor, weights: Tensor | None, p: DrGrpoParams
+) -> tuple[Tensor, dict[str, Tensor | float]]:
+    """Dr. GRPO (app. B.3): advantage ``r_i - mean_q r`` (no std), no per-rollout length normalisation.
+
+    **Objective denominator**: each rollout's token SUM of min(rho A, clip(rho) A) is divided by the
+    constant ``max_response_tokens``, then mean over the N rollouts. **Regulariser**: ``kl_coef * k3``
+    aggregated the same way (token sum / max_response_tokens, mean over N).
+    """
+    u, v, n, hi, lo, pos = _clip_parts(stats, rewards, p)
+    inv, Q = group_index(group_ids)
+    adv = _advantage(rewards, inv, Q, normalise=False)  # [N]
+    w = _ones(n, weights)
+    N, L = stats.shape[0], float(p.max_response_tokens)
+    J = (w * _clipped_sum(adv, u, v)).sum() / (N * L)
+    reg = p.kl_coef * (w * stats[:, 7]).sum() / (N * L)
+    metrics = _group_metrics(inv, Q, rewards, pos, (u / n.clamp(min=1)).detach(), (v / n.clamp(min=1)).detach())
+    metrics["clip_frac"] = _clip_frac(adv, hi, lo, n)
+    return _regularised(J, stats, reg, metrics, n)
+
+
+def dapo_objective(
+    stats: Tensor, group_ids: Tensor, rewards: Tensor, weights: Tensor | None, p: DapoParams
+) -> tuple[Tensor, dict[str, Tensor | float]]:
+    """DAPO (token-level policy gradient with clip-higher): GRPO's normalised advantage (population std).
+
+    **Objective denominator**: token level, ``J = sum_i w_i sum_t min(rho A, clip(rho) A) / sum_i n_i`` over
+    all valid tokens of the mini-batch (each token of rollout i weighted by w_i; the denominator is the
+    unweighted token count). No KL term. Dynamic sampling and overlong shaping are trainer-side.
+    """
+    u, v, n, hi, lo, pos = _clip_parts(stats, rewards, p)
+    inv, Q = group_index(group_ids)
+    adv = _advantage(rewards, inv, Q, normalise=True)  # [N]
+    J = (_ones(n, weights) * _clipped_sum(adv, u, v)).sum() / n.sum().clamp(min=1)
+    metrics = _group_metrics(inv, Q, rewards, pos, (u / n.clamp(min=1)).detach(), (v / n.clamp(min=1)).detach())
+    metrics["clip_frac"] = _clip_frac(adv, hi, lo, n)
+    return _regularised(J, stats, J.new_zeros(()), metrics, n)
+
+
+def grpo_er_objective(
+    stats: Tensor, group_ids: Tensor, rewards: Tensor, weights: Tensor | None, p: GrpoErParams
+) -> tuple[Tensor, dict[str, Tensor | float]]:
+    """GRPO-ER: GRPO plus an entropy bonus.
+
+    As :func:`grpo_objective`, then ``loss -= entropy_coef * H`` with H the token mean of the policy's
+    per-token entropy over all valid tokens of the mini-batch (**denominator** sum_i n_i; unweighted).
+    """
+    loss, metrics = grpo_objective(stats[:, : len(CLIP_STATS)], group_ids, rewards, weights, p)
+    H = stats[:, len(CLIP_STATS)].sum() / stats[:, 2].sum().clamp(min=1)
+    metrics["entropy"] = H.detach()
+    return loss - p.entropy_coef * H, metrics
+
+
+def _clip_stats_with_entropy(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    mask: Tensor,
+    entropy: Tensor | None,
+    ref_logprobs: Tensor | None,
+    p: GrpoErParams,
+) -> Tensor:
+    """:func:`clip_stats` plus ``entropy_sum`` (GRPO-ER)."""
+    return clip_stats(logprobs, old_logprobs, mask, entropy, ref_logprobs, p, with_entropy=True)
+
+
+def _registered(
+    name: str,
+    hparams: type[_Hyper],
+    stat_names: tuple[str, ...],
+    stats_fn: Callable[..., Tensor],
+    objective_fn: Callable[..., tuple[Tensor, dict[str, Tensor | float]]],
+    *,
+    needs_entropy: bool = False,
+) -> Loss:
+    # needs_reference is False at the registry defaults (kl_coef = 0); get_loss(name, **hp) resolves it.
+    return Loss(name, stat_names, needs_entropy, False, hparams, stats_fn, objective_fn)
+
+
+LOSSES: dict[str, Loss] = {
+    "disco": _registered("disco", DiscoParams, SCORE_STATS, score_stats, disco_objective),
+    "discob": _registered("discob", DiscobParams, SCORE_STATS, score_stats, discob_objective),
+    "grpo": _registered("grpo", ClipParams, CLIP_STATS, clip_stats, grpo_objective),
+    "grpo_rw": _registered("grpo_rw", GrpoRwParams, CLIP_STATS, clip_stats, grpo_rw_objective),
+    "dr_grpo": _registered("dr_grpo", DrGrpoParams, CLIP_STATS, clip_stats, dr_grpo_objective),
+    "dapo": _registered("dapo", DapoParams, CLIP_STATS, clip_stats, dapo_objective),
+    "grpo_er": _registered(
+        "grpo_er",
+        GrpoErParams,
+        CLIP_STATS + ("entropy_sum",),
+        _clip_stats_with_entropy,
+        grpo_er_objective,
+        needs_entropy=True,
+    ),
+}
