@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -133,25 +134,19 @@ def _finite_or_none(v: Any) -> Any:
 
 
 class Timer:
-    """Accumulates wall time per phase: ``with timer("generate"): ...``; ``timer.metrics()``."""
+    """Accumulates wall time per phase; phases may nest: ``with timer("step"): ... with timer("train"): ...``."""
 
     def __init__(self) -> None:
         self.totals: dict[str, float] = {}
-        self._name: str | None = None
 
-    def __call__(self, name: str) -> Timer:
-        """Name the phase the next ``with`` block times."""
-        self._name = name
-        return self
-
-    def __enter__(self) -> Timer:
-        """Start timing the phase named by the last call."""
-        self._start = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        assert self._name is not None
-        self.totals[self._name] = self.totals.get(self._name, 0.0) + time.perf_counter() - self._start
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        """Time the enclosed block under ``name`` (added to earlier blocks of the same name)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - start
 
     def metrics(self) -> dict[str, float]:
         """``timing/<phase>`` seconds."""

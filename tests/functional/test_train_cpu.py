@@ -1,0 +1,162 @@
+"""Tiny end-to-end runs of the trainer on CPU, checked against metric thresholds (real components throughout)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPE = ROOT / "recipes" / "tiny-cpu.yaml"
+REQUIRED = (
+    "train/reward_mean",
+    "train/entropy",
+    "train/kl",
+    "train/constraint_active",
+    "train/objective",
+    "train/zero_variance_share",
+    "train/response_length_mean",
+    "timing/step",
+    "timing/generate",
+    "timing/train",
+    "timing/refit",
+    "mismatch/kl_k3",
+    "mismatch/max_abs_logprob_diff",
+)
+# Small and fast: 8 questions x 4 rollouts per step, 2 updates per step, short warm-up, no validation.
+FAST = [
+    "algorithm.prompts_per_step=8",
+    "algorithm.minibatch_prompts=4",
+    "algorithm.rollouts_per_prompt=4",
+    "algorithm.warmup_sft_steps=40",
+    "data.synthetic_size=200",
+    "data.val=null",
+    "data.val_every=0",
+    "logging.progress=false",
+    "logging.tensorboard=false",
+]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+
+
+def _train(run_dir: Path, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "nemo_disco.cli", "train", "--config", str(RECIPE), f"logging.run_dir={run_dir}"]
+    return subprocess.run(
+        cmd + FAST + list(overrides), capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=timeout
+    )
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _comparable(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith("timing/")} for r in records]
+
+
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+@pytest.mark.parametrize("loss", ["disco", "grpo"])
+def test_three_steps_metrics_finite_and_parameters_change(tmp_path, loss):
+    run = tmp_path / loss
+    res = _train(run, "algorithm.steps=3", f"loss.name={loss}", "checkpoint.save_every=3")
+    assert res.returncode == 0, res.stderr[-3000:]
+    records = _metrics(run)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        for key in REQUIRED:
+            assert key in r, key
+            assert r[key] is not None and math.isfinite(r[key]), (key, r[key])
+        assert 0.0 <= r["train/reward_mean"] <= 1.0
+        assert r["timing/generate"] + r["timing/train"] <= r["timing/step"] + 1e-6
+        # Transformers generator and policy, both fp32: the rollout/training mismatch is ~0.
+        assert r["mismatch/max_abs_logprob_diff"] < 1e-3
+    init = _weights(run / "init_model")
+    final = _weights(run / "checkpoints" / "step_3" / "policy")
+    changed = [k for k in init if not torch.equal(init[k], final[k])]
+    assert len(changed) >= len(init) // 2, "most parameter tensors should move"
+    saved = (run / "checkpoints" / "step_3" / "config.yaml").read_text()
+    assert f"name: {loss}" in saved
+
+
+def test_sigkill_at_a_random_step_then_resume_is_bit_exact(tmp_path):
+    steps = ["algorithm.steps=5", "checkpoint.save_every=1", "checkpoint.keep_last=5"]
+    ref = tmp_path / "ref"
+    res = _train(ref, *steps)
+    assert res.returncode == 0, res.stderr[-3000:]
+    expected = _comparable(_metrics(ref))
+
+    run = tmp_path / "killed"
+    kill_after = random.Random(os.getpid()).randint(1, 3)
+    cmd = [sys.executable, "-m", "nemo_disco.cli", "train", "--config", str(RECIPE), f"logging.run_dir={run}"]
+    proc = subprocess.Popen(
+        cmd + FAST + steps, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        ckpts = list((run / "checkpoints").glob("step_*")) if (run / "checkpoints").is_dir() else []
+        if any(p.name == f"step_{kill_after}" for p in ckpts):
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    res = _train(run, *steps)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resumed from" in res.stdout + res.stderr
+    assert _comparable(_metrics(run)) == expected
+
+
+def test_sigterm_saves_a_checkpoint_and_the_run_resumes(tmp_path):
+    run = tmp_path / "term"
+    steps = ["algorithm.steps=4", "checkpoint.save_every=0"]
+    cmd = [sys.executable, "-m", "nemo_disco.cli", "train", "--config", str(RECIPE), f"logging.run_dir={run}"]
+    proc = subprocess.Popen(cmd + FAST + steps, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 600
+    while time.time() < deadline and not ((run / "metrics.jsonl").is_file() and _metrics(run)):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err.decode()[-3000:]
+    saved = sorted(int(p.name.split("_")[1]) for p in (run / "checkpoints").glob("step_*"))
+    assert len(saved) == 1 and saved[0] < 4
+    res = _train(run, *steps)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert [r["step"] for r in _metrics(run)] == [1, 2, 3, 4]
+
+
+def test_sigusr1_exits_with_the_requeue_code(tmp_path):
+    run = tmp_path / "usr1"
+    cmd = [sys.executable, "-m", "nemo_disco.cli", "train", "--config", str(RECIPE), f"logging.run_dir={run}"]
+    proc = subprocess.Popen(
+        cmd + FAST + ["algorithm.steps=50"], cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    deadline = time.time() + 600
+    while time.time() < deadline and not (run / "metrics.jsonl").is_file():
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGUSR1)
+    proc.communicate(timeout=300)
+    assert proc.returncode == 3
+    assert list((run / "checkpoints").glob("step_*"))
+
+
+def test_world_size_disagreeing_with_the_recipe_is_one_line(tmp_path):
+    res = _train(tmp_path / "r", "cluster.gpus_per_node=2")
+    assert res.returncode == 2
+    assert res.stderr.strip().count("\n") == 0 and "cluster.nodes x cluster.gpus_per_node" in res.stderr
