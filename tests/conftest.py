@@ -23,3 +23,9 @@ def tiny_qwen2(tmp_path_factory) -> Path:
     from nemo_disco.tiny import build_model
 
     return build_model(TinyModelConfig(), tmp_path_factory.mktemp("tiny_qwen2"), seed=0)
+
+
+# Shared check modules (tests/generation_checks.py) importable from every test folder.
+import sys  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -11,7 +11,7 @@ import torch
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample. ``top_k=-1`` disables top-k; ``seed`` makes sampling reproducible."""
+    """How to sample. ``temperature=0`` is greedy; ``top_k=-1`` disables top-k; ``seed`` makes sampling reproducible."""
 
     temperature: float = 1.0
     top_p: float = 1.0

@@ -1,8 +1,9 @@
 """The Generator protocol on transformers ``generate`` (CPU demo, tests, debugging).
 
-Log-prob convention (shared with the vLLM generator): the log-prob of each sampled token under
-``log_softmax(logits / temperature)``, before top-p / top-k truncation, which is what the training
-policy computes for pi_old. With fp32 weights on both sides the two agree to rounding.
+Log-prob convention (shared with the vLLM generator): the log-prob of each sampled token under the
+distribution it was sampled from, ``log_softmax(logits / temperature)`` after top-k / top-p
+truncation. With top_p = 1 and top_k = -1 (training) that is what the policy computes for pi_old; with
+fp32 weights on both sides the two agree to rounding.
 """
 
 from __future__ import annotations
@@ -99,12 +100,16 @@ class HFGenerator:
             """Samples the next token itself (seeded generator), records its log-prob, forces it."""
 
             def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-                logp = torch.log_softmax(scores.float() / sp.temperature, dim=-1)  # [B, V]
-                filtered = _top_k_top_p(logp, sp.top_k, sp.top_p)
+                greedy = sp.temperature == 0
+                logp = torch.log_softmax(scores.float() / (1.0 if greedy else sp.temperature), dim=-1)  # [B, V]
+                filtered = logp if greedy else _top_k_top_p(logp, sp.top_k, sp.top_p)
                 if sp.ignore_eos and stops:
                     filtered[:, stops] = float("-inf")
-                nxt = torch.multinomial(filtered.softmax(-1), 1, generator=gen)  # [B, 1]
-                logps.append(logp.gather(-1, nxt).squeeze(-1))
+                if greedy:
+                    nxt = filtered.argmax(-1, keepdim=True)  # [B, 1]
+                else:
+                    nxt = torch.multinomial(filtered.softmax(-1), 1, generator=gen)  # [B, 1]
+                logps.append(filtered.log_softmax(-1).gather(-1, nxt).squeeze(-1))
                 forced = torch.full_like(scores, float("-inf"))
                 return forced.scatter_(-1, nxt, 0.0)
 
