@@ -2,6 +2,8 @@
 
 One step::
 
+    refit: stream the policy's weights (HF names) into the generator (colocated: wake weights, refit,
+           offload the policy, wake the KV cache; after generation the engine sleeps, the policy comes back)
     prompts (algorithm.prompts_per_step questions, deterministic resumable order)
      -> generator: rollouts_per_prompt responses each, with the generator's token log-probs
      -> rewards: math grading in a process pool (hard per-item timeout)
@@ -12,7 +14,6 @@ One step::
                   coefficients c = dL/dstats of the whole mini-batch objective (losses.coefficients);
                   pass 2: policy.train_minibatch backwards sum(c * stats) micro-batch by micro-batch
                   (any micro-batch size, any data-parallel size: the gradient is the mini-batch one)
-     -> refit: stream the policy's weights (HF names) into the generator
      -> metrics, validation every data.val_every steps, checkpoint every checkpoint.save_every steps
 
 Departures from the paper: the objective averages over ALL questions of the mini-batch (questions
@@ -35,10 +36,12 @@ Launch::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import signal
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -90,6 +93,9 @@ class Trainer:
     loss: losses.Loss
     loss_hp: dict[str, Any]
     ref_policy: Policy | None = None
+    # The generator's weights lag the policy's (vLLM starts from dummy weights; every update and a resume
+    # change the policy): refit before the next generation.
+    generator_stale: bool = True
     step: int = 0
     dropped_prompts: int = 0
     signal_received: list[int] = field(default_factory=list)
@@ -220,7 +226,6 @@ def setup(cfg: RunConfig) -> Trainer:
             f"{cfg.generation.max_prompt_tokens} tokens dropped"
         )
     generator = build_generator(cfg, model_dir)
-    generator.update_weights(policy.export_weights())  # vLLM starts from dummy weights; resume needs the saved ones
     grader = GraderPool(cfg.reward.grader, timeout_s=cfg.reward.timeout_s, workers=cfg.reward.workers)
     return Trainer(
         cfg=cfg,
@@ -333,6 +338,35 @@ def _has_variance(rec: dict, threshold: float) -> bool:
     return 0 < pos < len(rec["rewards"])
 
 
+def _colocated(tr: Trainer) -> bool:
+    return tr.cfg.generation.backend == "vllm" and torch.cuda.is_available()
+
+
+@contextlib.contextmanager
+def generation_phase(tr: Trainer, timer: Timer) -> Iterator[None]:
+    """Hand the GPU to the generator and back (the colocated order), refitting stale weights on the way.
+
+    Order: wake the engine's weights, stream the policy's weights in (refit), offload the policy
+    (weights, grads, optimizer), wake the KV cache, generate, put the engine to sleep, load the policy back.
+    """
+    colocated = _colocated(tr)
+    if colocated:
+        tr.generator.wake_up(["weights"])
+    if tr.generator_stale:
+        with timer("refit"):
+            tr.generator.update_weights(tr.policy.export_weights())
+        tr.generator_stale = False
+    if colocated:
+        tr.policy.offload()
+        tr.generator.wake_up(["kv_cache"])
+    try:
+        yield
+    finally:
+        if colocated:
+            tr.generator.sleep()
+            tr.policy.onload()
+
+
 def rollout_phase(tr: Trainer) -> tuple[list[dict], dict[str, float]]:
     """The step's questions with their graded rollouts (DAPO dynamic sampling tops up informative ones)."""
     cfg = tr.cfg
@@ -393,7 +427,8 @@ def train_step(tr: Trainer) -> dict[str, float]:
     cfg, loss, hp, policy = tr.cfg, tr.loss, tr.loss_hp, tr.policy
     timer = Timer()
     with timer("step"):
-        records, metrics = rollout_phase(tr)
+        with generation_phase(tr, timer):
+            records, metrics = rollout_phase(tr)
         batch = build_batch(tr, records)
         num_mb = tr.cfg.updates_per_step
         local = batch.select(_local_rows(len(batch), num_mb, policy))
@@ -457,12 +492,12 @@ def train_step(tr: Trainer) -> dict[str, float]:
                     return losses.surrogate(c_local[idx].to(dev, st.dtype), st)
 
                 out = policy.train_minibatch(mb_local, surrogate_fn, entropy=loss.needs_entropy)
+                tr.generator_stale = True
                 if out["skipped"]:
                     tr.logger.write(f"step {tr.step + 1} update {m}: non-finite gradient; update skipped")
                 update_metrics.append({**lm, **out})
-        with timer("refit"):
-            tr.generator.update_weights(policy.export_weights())
     metrics.update(timer.metrics())
+    metrics.setdefault("timing/refit", 0.0)
     metrics.update(_step_metrics(batch, old, entropy, update_metrics, records))
     metrics.update(losses.mismatch_metrics(old, batch.gen_logprobs, mask))
     metrics.update(w_metrics)
@@ -501,7 +536,8 @@ def validate(tr: Trainer, problems: list, prompt_ids: list[list[int]], samples: 
     share = list(range(len(problems)))[tr.policy.dp_rank :: tr.policy.dp_size]
     sampling = _sampling(tr.cfg, tr.tokenizer, seed)
     sampling = SamplingParams(**{**sampling.__dict__, "top_p": g.top_p})
-    rollouts = tr.generator.generate([prompt_ids[i] for i in share], samples, sampling)
+    with generation_phase(tr, Timer()):
+        rollouts = tr.generator.generate([prompt_ids[i] for i in share], samples, sampling)
     texts = [tr.tokenizer.decode(r.token_ids, skip_special_tokens=True) for rs in rollouts for r in rs]
     truths = [problems[i].answer for i in share for _ in range(samples)]
     scores, _ = tr.grader.score(texts, truths)
