@@ -1,0 +1,189 @@
+"""Every paper recipe loads, validates, and carries the paper's numbers (each checked against a table here).
+
+Sources of the table: arXiv 2505.12366 §6 / app. A and the authors' scripts/train/*.sh (shared reference notes).
+A recipe added under recipes/ without a row here fails ``test_every_recipe_has_a_row``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from nemo_disco import config
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+# The exemplar and the CPU demo are specified and tested elsewhere (tests/unit/test_config.py, tests/functional).
+NOT_PAPER_RUNS = {"disco", "tiny-cpu"}
+
+QWEN_1_5B = "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B"
+QWEN_7B = "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B"
+LLAMA_8B = "deepseek-ai/DeepSeek-R1-Distill-Llama-8B"
+DEEPSCALER = "agentica-org/DeepScaleR-Preview-Dataset"
+
+# Shared by every paper run (paper §6, every script): 128 questions x 8 rollouts per step, mini-batches of 32
+# questions (so 128 / 32 = 4 updates per step), temperature 0.6, prompts <= 1024 tokens (script), 8k responses.
+SHARED = {
+    "algorithm.prompts_per_step": 128,
+    "algorithm.rollouts_per_prompt": 8,
+    "algorithm.minibatch_prompts": 32,
+    "generation.temperature": 0.6,
+    "generation.top_p": 1.0,
+    "generation.max_prompt_tokens": 1024,
+    "generation.max_response_tokens": 8192,
+    "policy.grad_clip": 1.0,
+    "loss.kl": "k1",
+}
+# The trust region of every DisCO / DisCO-b run (paper §6, scripts): delta 1e-4, beta 1e3.
+CONSTRAINT = {"loss.delta": 1e-4, "loss.beta": 1e3}
+
+
+def _disco(model: str, lr: float, steps: int, score: str, tau: float | None, nodes: int = 1, **extra) -> dict:
+    row = {
+        **SHARED,
+        **CONSTRAINT,
+        "policy.model_path": model,
+        "policy.lr": lr,
+        "algorithm.steps": steps,
+        "loss.score": score,
+        "data.train": DEEPSCALER,
+        "cluster.nodes": nodes,
+        "cluster.gpus_per_node": 8,
+        "loss.official_compat": False,
+    }
+    if tau is not None:
+        row["loss.tau"] = tau
+    return {**row, **extra}
+
+
+def _baseline(name: str, **extra) -> dict:
+    # Baselines share the 1.5B DisCO run's setup (paper §6): lr 2e-6, 1400 steps, 1 x 8 GPUs.
+    row = {
+        **SHARED,
+        "policy.model_path": QWEN_1_5B,
+        "policy.lr": 2e-6,
+        "algorithm.steps": 1400,
+        "data.train": DEEPSCALER,
+        "cluster.nodes": 1,
+        "cluster.gpus_per_node": 8,
+        "loss.name": name,
+    }
+    return {**row, **extra}
+
+
+EXPECTED: dict[str, dict] = {
+    # tau: 10 for log-L, 1 for L-ratio (paper §6); lr 2e-6 for 1.5B, 1e-6 for 7B (scripts); steps 1400 / 1000 (§6).
+    "disco-logl-r1qwen1.5b-1n8g-8k": _disco(QWEN_1_5B, 2e-6, 1400, "logl", 10.0, **{"loss.name": "disco"}),
+    "disco-lratio-r1qwen1.5b-1n8g-8k": _disco(QWEN_1_5B, 2e-6, 1400, "lratio", 1.0, **{"loss.name": "disco"}),
+    "disco-logl-r1qwen7b-2n8g-8k": _disco(QWEN_7B, 1e-6, 1000, "logl", 10.0, nodes=2, **{"loss.name": "disco"}),
+    "disco-lratio-r1qwen7b-2n8g-8k": _disco(QWEN_7B, 1e-6, 1000, "lratio", 1.0, nodes=2, **{"loss.name": "disco"}),
+    # No 8B script: lr and steps of the 7B runs (the recipe says so).
+    "disco-logl-r1llama8b-2n8g-8k": _disco(LLAMA_8B, 1e-6, 1000, "logl", 10.0, nodes=2, **{"loss.name": "disco"}),
+    # DisCO-b (eq. 7): tau unused, so not checked.
+    "discob-logl-r1qwen1.5b-1n8g-8k": _disco(QWEN_1_5B, 2e-6, 1400, "logl", None, **{"loss.name": "discob"}),
+    "discob-lratio-r1qwen1.5b-1n8g-8k": _disco(QWEN_1_5B, 2e-6, 1400, "lratio", None, **{"loss.name": "discob"}),
+    # App. A.3: the same 1.5B log-L run on DAPO-Math-17k.
+    "disco-logl-r1qwen1.5b-1n8g-8k-dapomath": _disco(
+        QWEN_1_5B, 2e-6, 1400, "logl", 10.0, **{"loss.name": "disco", "data.train": "BytedTsinghua-SIA/DAPO-Math-17k"}
+    ),
+    # The authors' code: half constraint gradient + log-sum-exp, DeepScaleR grader, AIME validation every 20 steps x 8.
+    "disco-logl-r1qwen1.5b-1n8g-8k-official": _disco(
+        QWEN_1_5B,
+        2e-6,
+        1400,
+        "logl",
+        10.0,
+        **{
+            "loss.name": "disco",
+            "loss.official_compat": True,
+            "reward.grader": "deepscaler",
+            "data.val_every": 20,
+            "data.val_samples": 8,
+        },
+    ),
+    # GRPO: KL regulariser 0.001 (paper §6), clip 0.2.
+    "grpo-r1qwen1.5b-1n8g-8k": _baseline("grpo", **{"loss.kl_coef": 0.001, "loss.clip_eps": 0.2}),
+    "dr-grpo-r1qwen1.5b-1n8g-8k": _baseline("dr_grpo", **{"loss.kl_coef": 0.0, "loss.clip_eps": 0.2}),
+    # DAPO: clip-higher 0.28 over eps_low 0.2, no KL, dynamic sampling, overlong shaping 8192 * 4096 / 20480 = 1638.
+    "dapo-r1qwen1.5b-1n8g-8k": _baseline(
+        "dapo",
+        **{
+            "loss.clip_eps": 0.2,
+            "loss.clip_eps_high": 0.28,
+            "loss.kl_coef": 0.0,
+            "algorithm.dynamic_sampling": True,
+            "algorithm.overlong_buffer_tokens": 1638,
+        },
+    ),
+    "grpo-er-r1qwen1.5b-1n8g-8k": _baseline(
+        "grpo_er", **{"loss.kl_coef": 0.001, "loss.entropy_coef": 0.001, "loss.clip_eps": 0.2}
+    ),
+}
+
+PAPER_RECIPES = sorted(p.stem for p in RECIPES.glob("*.yaml") if p.stem not in NOT_PAPER_RUNS)
+# <algo>-<score>-<model>-<N>n<G>g-<maxlen>[-variant]; baselines have no score.
+NAME = re.compile(
+    r"^(disco|discob|grpo|dr-grpo|dapo|grpo-er)(-(logl|lratio))?-r1(qwen1\.5b|qwen7b|llama8b)-\d+n\d+g-\d+k\b"
+)
+
+
+def _get(cfg: config.RunConfig, dotted: str):
+    value = cfg
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def test_every_recipe_has_a_row():
+    assert PAPER_RECIPES, "no recipes found"
+    assert set(PAPER_RECIPES) == set(EXPECTED), "recipes/ and the EXPECTED table must list the same runs"
+
+
+@pytest.mark.parametrize("name", PAPER_RECIPES)
+def test_recipe_loads_with_paper_values(name):
+    cfg = config.load(RECIPES / f"{name}.yaml")
+    mismatches = {k: (_get(cfg, k), v) for k, v in EXPECTED[name].items() if _get(cfg, k) != v}
+    assert mismatches == {}, f"{name}: (recipe, expected) per key"
+    assert cfg.updates_per_step == 4  # 128 prompts / 32 per mini-batch
+    assert cfg.world_size == cfg.cluster.nodes * 8
+
+
+@pytest.mark.parametrize("name", PAPER_RECIPES)
+def test_recipe_form(name):
+    """`defaults: [disco, _self_]`, a name of the form <algo>-<score>-<model>-<N>n<G>g-<len>, its own run folder,
+    and a source comment on every value it sets (STYLE principle 5)."""
+    text = (RECIPES / f"{name}.yaml").read_text()
+    raw = yaml.safe_load(text)
+    assert raw["defaults"] == ["disco", "_self_"]
+    assert NAME.match(name), name
+    cfg = config.load(RECIPES / f"{name}.yaml")
+    assert cfg.logging.run_dir == f"runs/{name}"
+    nodes, gpus = map(int, re.search(r"-(\d+)n(\d+)g-", name).groups())
+    assert (cfg.cluster.nodes, cfg.cluster.gpus_per_node) == (nodes, gpus)
+    assert f"-{cfg.generation.max_response_tokens // 1024}k" in name
+    for line in text.splitlines():
+        body = line.split("#", 1)[0]
+        is_value = re.match(r"^\s+[\w.]+:\s*\S", body)
+        if is_value and not body.strip().startswith("-"):
+            assert "#" in line, f"{name}: no source comment on {line.strip()!r}"
+
+
+@pytest.mark.parametrize("name", PAPER_RECIPES)
+def test_recipe_sets_only_what_differs_from_the_exemplar(name):
+    """Each value a recipe states differs from the exemplar's, except values that document a choice in place
+    (tau, clip_eps, a zero KL coefficient, overlong penalty, run_dir): restating those keeps a recipe readable."""
+    exemplar = config.load(RECIPES / "disco.yaml")
+    raw = yaml.safe_load((RECIPES / f"{name}.yaml").read_text())
+    restated_on_purpose = {"loss.tau", "loss.clip_eps", "loss.kl_coef", "algorithm.overlong_penalty"}
+    restated_on_purpose |= {"logging.run_dir"}
+    same = []
+    for section, values in raw.items():
+        if section == "defaults":
+            continue
+        for key, value in values.items():
+            dotted = f"{section}.{key}"
+            if dotted not in restated_on_purpose and _get(exemplar, dotted) == value:
+                same.append(dotted)
+    assert same == [], f"{name} restates exemplar values"
