@@ -464,6 +464,16 @@ def _on_alarm(signum: int, frame: object) -> None:
     raise _SoftTimeout
 
 
+def _ignore_job_signals() -> None:
+    """Slurm signals every process of a job step; grading workers leave SIGUSR1 / SIGTERM / SIGINT to the trainer.
+
+    (Ignored dispositions survive exec, so the worker is covered from its first instruction; the parent
+    still stops a stuck worker with SIGKILL, and a worker exits on its own when its stdin closes.)
+    """
+    for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def _worker_main() -> None:
     """Worker loop: one JSON request per stdin line, one JSON result per line on the original stdout."""
     out = os.fdopen(os.dup(1), "w", buffering=1)
@@ -511,6 +521,7 @@ class _Worker:
             stdout=subprocess.PIPE,
             stderr=self.stderr,
             env=env,
+            preexec_fn=_ignore_job_signals,
         )
         assert self.proc.stdout is not None
         self.fd = self.proc.stdout.fileno()

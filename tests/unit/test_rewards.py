@@ -296,3 +296,19 @@ def test_score_batch_temporary_pool():
     scores, metrics = score_batch([r"\boxed{\frac{1}{2}}", r"\boxed{0.5}"], ["0.5", r"\frac12"], grader="deepscaler")
     assert scores == [1.0, 1.0]
     assert metrics["reward/timeouts"] == 0
+
+
+def test_workers_survive_the_job_signals_meant_for_the_trainer():
+    """Slurm signals every process of a step: USR1 / TERM / INT must not kill a grading worker."""
+    import os
+    import signal
+
+    from nemo_disco.rewards import GraderPool
+
+    with GraderPool("math_verify", timeout_s=5.0, workers=1) as pool:
+        pool.score(["\\boxed{1}"], ["1"])  # workers ready
+        for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
+            os.kill(pool.worker_pids[0], sig)
+        scores, metrics = pool.score(["\\boxed{2}", "\\boxed{3}"], ["2", "4"])
+    assert scores == [1.0, 0.0]
+    assert metrics["reward/errors"] == 0 and metrics["reward/restarts"] == 0
