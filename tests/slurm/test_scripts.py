@@ -1,0 +1,138 @@
+"""The sbatch scripts without a cluster: syntax, shellcheck, and the dry run / early checks of train.sbatch.
+
+``NEMO_DISCO_DRY_RUN=1 bash slurm/train.sbatch ...`` runs the script's real code path up to the launch (recipe
+validation, layout checks, the srun command), so these tests pin the launch layout of every recipe.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from nemo_disco import config
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = ["slurm/train.sbatch", "slurm/eval.sbatch", "slurm/convert.sbatch", "slurm/common.sh"]
+RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
+
+
+def _env(**extra: str) -> dict[str, str]:
+    """The test's environment without any Slurm or GPU variables, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "NEMO_DISCO_"))}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # no GPU unless a test says so (SLURM_GPUS_ON_NODE wins over it)
+    return {**env, **extra}
+
+
+def _run(script: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", script, *args], cwd=ROOT, env=_env(**env), capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_bash_syntax(script):
+    done = subprocess.run(["bash", "-n", script], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_shellcheck_clean(shellcheck):
+    # -x follows `source slurm/common.sh`; every warning, info and style note counts.
+    done = subprocess.run([shellcheck, "-x", *SCRIPTS], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+def test_dry_run_layout_of_every_recipe(recipe):
+    """Each recipe on the allocation it names: world size, ranks per node, TP x PP x DP and the exact srun line."""
+    cfg = config.load(recipe)
+    nodes, per_node = cfg.cluster.nodes, cfg.cluster.gpus_per_node
+    gpu = {} if recipe.stem == "tiny-cpu" else {"SLURM_GPUS_ON_NODE": str(per_node)}
+    done = _run("slurm/train.sbatch", str(recipe), NEMO_DISCO_DRY_RUN="1", SLURM_NNODES=str(nodes), **gpu)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    world = nodes * per_node
+    device = "CPU, gloo" if recipe.stem == "tiny-cpu" else "GPU, NCCL"
+    assert f"layout: {nodes} node(s) x {per_node} process(es) = world {world} ({device})" in out
+    p = cfg.policy
+    assert f"TP {p.tensor_parallel_size} x PP {p.pipeline_parallel_size} x DP {cfg.data_parallel_size};" in out
+    # One line per node; the last node ends with rank world - 1.
+    ranks = re.findall(r"node (\d+) node\d+: ranks (\d+)-(\d+)", out)
+    assert [int(n) for n, _, _ in ranks] == list(range(nodes))
+    assert (int(ranks[0][1]), int(ranks[-1][2])) == (0, world - 1)
+    command = shlex.split(out.split("command: ", 1)[1].splitlines()[0])
+    assert command[:6] == [
+        "srun",
+        f"--nodes={nodes}",
+        f"--ntasks={world}",
+        f"--ntasks-per-node={per_node}",
+        command[4],
+        "--kill-on-bad-exit=0",
+    ]
+    assert command[-5:] == ["-m", "nemo_disco.cli", "train", "--config", str(recipe)]
+    assert "dry run: nothing started" in out
+
+
+def test_dry_run_passes_overrides_and_container_flags_verbatim():
+    overrides = ["cluster.nodes=2", "logging.run_dir=/tmp/a run", "loss.tau=1"]
+    done = _run(
+        "slurm/train.sbatch",
+        "recipes/tiny-cpu.yaml",
+        *overrides,
+        NEMO_DISCO_DRY_RUN="1",
+        SLURM_NNODES="2",
+        NEMO_DISCO_CONTAINER="nvcr.io/nvidia/pytorch:25.01-py3",
+        NEMO_DISCO_MOUNTS="/lustre:/lustre",
+    )
+    assert done.returncode == 0, done.stderr
+    command = shlex.split(done.stdout.split("command: ", 1)[1].splitlines()[0])
+    assert "--container-image=nvcr.io/nvidia/pytorch:25.01-py3" in command
+    assert "--container-mounts=/lustre:/lustre" in command
+    # Inside the container the job runs the container's python; the overrides arrive as separate words.
+    assert command[-9:] == ["python", "-m", "nemo_disco.cli", "train", "--config", "recipes/tiny-cpu.yaml", *overrides]
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (["recipes/disco.yaml"], {"SLURM_NNODES": "2", "SLURM_GPUS_ON_NODE": "8"}, "add the override cluster.nodes=2"),
+        (["recipes/disco.yaml"], {"SLURM_GPUS_ON_NODE": "4"}, "4 GPU(s) but the recipe has cluster.gpus_per_node=8"),
+        (["recipes/tiny-cpu.yaml"], {"NEMO_DISCO_PROCS_PER_NODE": "2"}, "NEMO_DISCO_PROCS_PER_NODE=2 but the recipe"),
+        (["recipes/tiny-cpu.yaml", "loss.taux=1"], {}, "unknown config key 'loss.taux'"),
+        (["recipes/nope.yaml"], {}, "recipe file not found"),
+        ([], {}, "usage: sbatch"),
+    ],
+    ids=["nodes", "gpus", "procs-per-node", "bad-key", "no-recipe", "no-args"],
+)
+def test_bad_layout_or_recipe_fails_early_with_one_line(args, env, message):
+    done = _run("slurm/train.sbatch", *args, NEMO_DISCO_DRY_RUN="1", **env)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("train.sbatch: error: ") and message in lines[0], done.stderr
+    assert "command:" not in done.stdout
+
+
+@pytest.mark.parametrize("script", ["slurm/train.sbatch", "slurm/eval.sbatch", "slurm/convert.sbatch"])
+def test_refuses_to_run_outside_slurm(script):
+    done = _run(script, "recipes/tiny-cpu.yaml")
+    assert done.returncode == 2
+    assert "not inside a Slurm job" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("script", "args"),
+    [
+        ("slurm/eval.sbatch", ["--model", "runs/x/hf", "--benchmarks", "aime,math", "--samples", "16"]),
+        ("slurm/convert.sbatch", ["--checkpoint", "runs/x/checkpoints/step_20", "--out", "runs/x/hf dir"]),
+    ],
+)
+def test_thin_scripts_pass_arguments_through(script, args):
+    done = _run(script, *args, NEMO_DISCO_DRY_RUN="1")
+    assert done.returncode == 0, done.stderr
+    command = shlex.split(done.stdout.split("command: ", 1)[1].splitlines()[0])
+    sub = "eval" if "eval" in script else "convert"
+    assert command[0] == "srun" and command[-len(args) - 3 :] == ["-m", "nemo_disco.cli", sub, *args]
