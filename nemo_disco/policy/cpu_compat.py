@@ -1,0 +1,132 @@
+"""Megatron-Core 0.16.1 on a machine without CUDA: a testing and laptop aid, never used on GPU.
+
+Megatron-Core hard-codes CUDA in a few places that a CPU run with gloo reaches: ``torch.cuda.current_device()``
+as the device of buffers (rotary frequencies, the global memory buffer, tensor-parallel gathers, pipeline
+p2p tensors), ``device="cuda"`` literals (the pipeline schedules' token counter, the grad-buffer warm-up),
+``torch.cuda.synchronize()`` around p2p communication, and the CUDA RNG tracker that forks dropout
+randomness. :func:`apply` patches exactly these, and only when ``torch.cuda.is_available()`` is False; it
+is idempotent. :func:`device_scope` is a context manager that maps ``device="cuda"`` factory arguments and
+``Tensor.cuda()`` to the CPU while Megatron code runs (a no-op with CUDA). The causal mask that mcore builds
+on CUDA (``get_default_causal_mask``) is avoided by always passing an explicit attention mask.
+
+With these, GPTModel (local layer spec, ``use_cpu_initialization=True``) runs forward and backward at any
+TP x PP x DP over gloo, through the pipeline schedules and Megatron DDP. What stays GPU-only: the
+Transformer Engine layer spec, packed sequences (THD attention), the distributed optimizer and mcore's
+gradient clipping (``clip_grads`` asserts CUDA tensors).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_APPLIED = False
+
+# Factory functions whose ``device=`` keyword Megatron fills with "cuda".
+_FACTORIES = {
+    torch.zeros,
+    torch.ones,
+    torch.empty,
+    torch.full,
+    torch.tensor,
+    torch.arange,
+    torch.randn,
+    torch.rand,
+    torch.zeros_like,
+    torch.ones_like,
+    torch.empty_like,
+    torch.full_like,
+}
+
+
+def _is_cuda(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return False
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Rewrites ``device="cuda"`` to CPU in factory calls, and makes ``Tensor.cuda()`` / ``.to("cuda")`` no-ops."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204, D105
+        kwargs = dict(kwargs or {})
+        if func in _FACTORIES and _is_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+            kwargs.pop("pin_memory", None)
+        elif func is torch.Tensor.cuda:
+            return args[0]
+        elif func is torch.Tensor.to:
+            if _is_cuda(kwargs.get("device")):
+                kwargs["device"] = "cpu"
+            args = tuple("cpu" if _is_cuda(a) else a for a in args)
+        return func(*args, **kwargs)
+
+
+def device_scope() -> contextlib.AbstractContextManager:
+    """Context in which Megatron's CUDA device literals land on the CPU (a null context when CUDA exists)."""
+    if torch.cuda.is_available():
+        return contextlib.nullcontext()
+    return _CudaToCpu()
+
+
+def apply() -> bool:
+    """Patch Megatron-Core for CPU execution when CUDA is absent (idempotent).
+
+    Returns:
+        True when the patches are (already) in place, False when CUDA is available and nothing was done.
+    """
+    global _APPLIED
+    if torch.cuda.is_available():
+        return False
+    if _APPLIED:
+        return True
+    # Buffers are placed on `torch.cuda.current_device()` throughout mcore; a device string works everywhere
+    # an index would be used as a device.
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    # p2p communication and process-group setup synchronise the (absent) CUDA stream.
+    torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
+    # Expected on a CPU machine, once per import: say it once in the docs instead of at every start.
+    warnings.filterwarnings("ignore", message="(Transformer Engine and Apex are|Apex is) not installed")
+    _patch_rng_tracker()
+    _APPLIED = True
+    return True
+
+
+def _patch_rng_tracker() -> None:
+    """The model-parallel RNG tracker (dropout forks, activation recomputation) keeps CPU generator states."""
+    from megatron.core.tensor_parallel import random as mp_random
+
+    # Recomputation saves and restores "the CUDA state" next to the CPU one; both are the CPU generator here.
+    mp_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    mp_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
+
+    def add(self: Any, name: str, seed: int) -> None:
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        if name in self.states_:
+            raise Exception(f"rng state {name} already exists")
+        self.seeds_.add(seed)
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self: Any, name: str = mp_random._MODEL_PARALLEL_RNG_TRACKER_NAME) -> Iterator[None]:
+        if name not in self.states_:
+            raise Exception(f"rng state {name} is not added")
+        outer = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outer)
+
+    mp_random.CudaRNGStatesTracker.add = add
+    mp_random.CudaRNGStatesTracker.fork = fork

@@ -1,0 +1,855 @@
+"""The Policy protocol on a Megatron-Core GPTModel: any TP x PP x DP, exact summed gradients.
+
+Layout and parallelism:
+  - ``parallel_state`` is initialised from the default process group (torchrun / srun started it; a single
+    process without one gets a one-rank gloo group), TP x PP from ``policy.tensor_parallel_size`` /
+    ``policy.pipeline_parallel_size``, DP = world / (TP x PP). Each rank holds its shard of the model.
+  - Transformer Engine layer spec when ``transformer_engine`` imports and CUDA is present; then sequences are
+    packed (THD, no padding). Otherwise the local layer spec on a padded batch with an explicit attention mask
+    (mcore's own causal mask is built on CUDA). On CPU ``cpu_compat`` patches the CUDA assumptions.
+  - Every sequence is laid out from position 0 (prompt then response, padding after it), as the generator
+    sees it, so positions and RoPE angles match Hugging Face's forward exactly.
+
+Gradient exactness (the surrogate carries global normalisation, see ``nemo_disco.policy.base``):
+  - ``calculate_per_token_loss=True`` and a loss function returning ``(loss, num_tokens, ...)``: the pipeline
+    schedules do NOT divide the loss by the number of micro-batches;
+  - Megatron DDP with ``calculate_per_token_loss=True`` and ``average_in_collective=False``: gradients are
+    SUMMED over data-parallel ranks (``gradient_scaling_factor=1``);
+  - ``finalize_model_grads`` is called with ``num_tokens=None``, so gradients are not divided by a token count.
+  So the gradient is exactly the sum over micro-batches and DP ranks of ``d surrogate / d theta``.
+
+Optimiser: Megatron's (distributed, when ``policy.use_distributed_optimizer``) optimizer on GPU; on CPU a
+plain ``torch.optim.AdamW`` over the DDP gradient buffers (mcore's clipping asserts CUDA tensors), with the
+same weight-decay groups (none on biases and norms). The gradient norm is taken over the full model
+(TP-replicated and tied copies counted once) before clipping; a non-finite surrogate or norm on any rank
+skips the update on every rank.
+
+What :meth:`MegatronPolicy.save` writes into ``policy/`` (``nemo_disco.convert.megatron_to_hf`` reads it):
+  - ``megatron.json``: format marker, update counter, TP / PP / dtype it was saved with, padded vocabulary;
+  - ``config.json`` + tokenizer files + ``generation_config.json``: copied from the Hugging Face source;
+  - ``model/``: a Megatron dist checkpoint (torch_dist) of the weights; tensors are stored globally, so it
+    loads at any TP / PP (vocabulary padding must match: it does for any TP dividing ``vocab_multiple``);
+  - ``optimizer/``: a dist checkpoint of the optimizer state (absent in weights-only checkpoints).
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import math
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nemo_disco import weights
+from nemo_disco.batch import RolloutBatch
+from nemo_disco.config import RunConfig
+from nemo_disco.policy import cpu_compat
+from nemo_disco.policy.base import SurrogateFn
+from nemo_disco.policy.logprobs import token_logprobs
+from nemo_disco.policy.schedule import lr_at
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CHECKPOINT_META = "megatron.json"
+CHECKPOINT_FORMAT = "nemo_disco.megatron/1"
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "generation_config.json",
+)
+
+
+def te_available() -> bool:
+    """Transformer Engine imports AND CUDA is present (TE is never installed on CPU machines)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # a broken TE install raises more than ImportError (cudnn not found...)
+        return False
+    return True
+
+
+def is_checkpoint_dir(path: str | Path) -> bool:
+    """Whether ``path`` is a policy directory written by :meth:`MegatronPolicy.save` or ``hf_to_megatron``."""
+    return (Path(path) / CHECKPOINT_META).is_file()
+
+
+def read_checkpoint_meta(path: str | Path) -> dict[str, Any]:
+    """``megatron.json`` of a policy directory.
+
+    Raises:
+        ValueError: not such a directory, or an unknown format.
+    """
+    meta_path = Path(path) / CHECKPOINT_META
+    if not meta_path.is_file():
+        raise ValueError(f"{path}: no {CHECKPOINT_META} (not a Megatron policy checkpoint)")
+    meta = json.loads(meta_path.read_text())
+    if meta.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{meta_path}: format {meta.get('format')!r} is not {CHECKPOINT_FORMAT!r}")
+    return meta
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Process groups and model construction (shared with nemo_disco.convert).
+
+
+def init_parallel(tp: int, pp: int, seed: int = 1) -> None:
+    """Initialise torch.distributed (if needed) and Megatron's ``parallel_state`` for TP x PP x DP.
+
+    One parallel layout per process at a time: asking for another TP / PP re-initialises ``parallel_state``
+    (models built under the previous layout must not be used afterwards).
+
+    Raises:
+        ValueError: TP x PP does not divide the world size.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    from nemo_disco import distributed
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(distributed.read_env().local_rank % torch.cuda.device_count())
+    if not dist.is_initialized():
+        if distributed.read_env().world_size > 1:
+            distributed.init()
+        else:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            dist.init_process_group(
+                backend, store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(minutes=30)
+            )
+    world = dist.get_world_size()
+    if world % (tp * pp):
+        raise ValueError(
+            f"policy.tensor_parallel_size x policy.pipeline_parallel_size = {tp} x {pp} does not divide "
+            f"the world size {world}"
+        )
+    if ps.model_parallel_is_initialized():
+        if (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()) == (tp, pp):
+            return
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def transformer_config(
+    spec: weights.ModelSpec,
+    *,
+    tp: int,
+    pp: int,
+    dtype: torch.dtype,
+    use_te: bool,
+    recompute: bool,
+) -> Any:
+    """The mcore ``TransformerConfig`` of a Qwen2 / Llama model (no dropout, per-token loss, variable shapes)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    on_gpu = torch.cuda.is_available()
+    extra: dict[str, Any] = {}
+    if recompute:
+        extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    return TransformerConfig(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_query_groups,
+        kv_channels=spec.head_dim,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=spec.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=not on_gpu,
+        # Every parameter is overwritten from the checkpoint, but mcore only marks tensor-parallel parameters
+        # (``tensor_model_parallel``, which the gradient norm relies on) inside its initialisation.
+        perform_initialization=True,
+        bias_activation_fusion=on_gpu,
+        bias_dropout_fusion=on_gpu,
+        masked_softmax_fusion=on_gpu,
+        apply_rope_fusion=use_te,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=use_te,
+        # The schedules then leave the loss as returned (no division by the number of micro-batches) and
+        # DDP does not pre-scale gradients by 1 / DP.
+        calculate_per_token_loss=True,
+        # Micro-batches differ in shape (token-budgeted rows, trimmed widths, packed lengths).
+        variable_seq_lengths=True,
+        # Only to pass a config check that pairs variable lengths with MoE dispatch; the model is dense.
+        moe_token_dispatcher_type="alltoall",
+        **extra,
+    )
+
+
+def build_gpt_model(spec: weights.ModelSpec, config: Any, padded_vocab: int, use_te: bool) -> Any:
+    """This rank's GPTModel stage (parameters uninitialised: load them next)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    layer_spec = get_gpt_layer_with_transformer_engine_spec() if use_te else get_gpt_layer_local_spec()
+    with cpu_compat.device_scope():
+        return GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec,
+            vocab_size=padded_vocab,
+            max_sequence_length=spec.max_position_embeddings,
+            pre_process=ps.is_pipeline_first_stage(),
+            post_process=ps.is_pipeline_last_stage(),
+            parallel_output=True,
+            share_embeddings_and_output_weights=spec.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
+            rope_scaling=spec.rope_scaling_factor is not None,
+            rope_scaling_factor=spec.rope_scaling_factor or 8.0,
+        )
+
+
+def load_hf_weights(model: Any, model_dir: str | Path, spec: weights.ModelSpec, padded_vocab: int) -> None:
+    """Copy this rank's shards of an HF folder's safetensors into ``model`` (the unwrapped GPTModel)."""
+    from megatron.core import parallel_state as ps
+
+    weights.load_hf_into(
+        dict(model.named_parameters()),
+        weights.SafetensorsReader(model_dir),
+        spec,
+        tp_size=ps.get_tensor_model_parallel_world_size(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_size=ps.get_pipeline_model_parallel_world_size(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        padded_vocab=padded_vocab,
+    )
+
+
+def save_model_checkpoint(model: Any, directory: Path) -> None:
+    """Collective: the weights of ``model`` (unwrapped GPTModel) as a dist checkpoint in ``directory``."""
+    from megatron.core import dist_checkpointing
+
+    _make_dir(directory)
+    with cpu_compat.device_scope():
+        dist_checkpointing.save(model.sharded_state_dict(), str(directory))
+
+
+def load_model_checkpoint(model: Any, directory: Path) -> None:
+    """Collective: load a dist checkpoint written by :func:`save_model_checkpoint` (any TP / PP) into ``model``."""
+    from megatron.core import dist_checkpointing
+
+    with cpu_compat.device_scope():
+        state = dist_checkpointing.load(model.sharded_state_dict(), str(directory))
+        model.load_state_dict(state)
+
+
+def write_policy_files(directory: Path, source_dir: Path, meta: dict[str, Any]) -> None:
+    """Rank 0: ``megatron.json``, the HF ``config.json`` and the tokenizer files next to the dist checkpoints."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", *TOKENIZER_FILES):
+        src = source_dir / name
+        if src.is_file() and src.resolve() != (directory / name).resolve():
+            shutil.copyfile(src, directory / name)
+    tmp = directory / (CHECKPOINT_META + ".tmp")
+    tmp.write_text(json.dumps({"format": CHECKPOINT_FORMAT, **meta}, indent=2))
+    os.replace(tmp, directory / CHECKPOINT_META)
+
+
+def _make_dir(directory: Path) -> None:
+    if dist.get_rank() == 0:
+        if directory.exists():
+            shutil.rmtree(directory)
+        directory.mkdir(parents=True)
+    dist.barrier()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Micro-batches.
+
+
+@dataclass
+class _MicroBatch:
+    """One micro-batch laid out for the model; every sequence starts at position 0."""
+
+    rows: torch.Tensor  # [n] indices into the batch
+    input_ids: torch.Tensor  # [n, S] (padded) or [1, T] (packed)
+    position_ids: torch.Tensor  # same shape
+    attention_mask: torch.Tensor | None  # [n, 1, S, S] bool, True = masked (padded layout only)
+    packed: Any  # PackedSeqParams or None
+    targets: torch.Tensor  # like input_ids: the next token at every position
+    response_index: torch.Tensor  # [n, r] flat token index of the logits predicting response token t
+    response_mask: torch.Tensor  # [n, r] bool
+
+
+def _row_lengths(batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    return batch.prompt_mask.sum(1), batch.response_mask.sum(1)
+
+
+def split_microbatches(batch: RolloutBatch, max_tokens: int, packed: bool) -> list[torch.Tensor]:
+    """Consecutive row groups whose model input fits ``max_tokens`` tokens (at least one row each).
+
+    Padded layout: rows x (longest prompt + longest response) of the group; packed: the sum of real lengths.
+    """
+    p_len, r_len = _row_lengths(batch)
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    max_p = max_r = total = 0
+    for i in range(len(batch)):
+        p, r = int(p_len[i]), int(r_len[i])
+        if packed:
+            fits = total + p + r <= max_tokens
+        else:
+            fits = (len(cur) + 1) * (max(max_p, p) + max(max_r, r)) <= max_tokens
+        if cur and not fits:
+            groups.append(cur)
+            cur, max_p, max_r, total = [], 0, 0, 0
+        cur.append(i)
+        max_p, max_r, total = max(max_p, p), max(max_r, r), total + p + r
+    if cur:
+        groups.append(cur)
+    return [torch.tensor(g, dtype=torch.long) for g in groups]
+
+
+def _prepare(batch: RolloutBatch, rows: torch.Tensor, packed: bool, device: torch.device) -> _MicroBatch:
+    sub = batch.select(rows)
+    n, width = sub.prompt_ids.shape
+    p_len, r_len = _row_lengths(sub)
+    if bool((p_len == 0).any()):
+        bad = int(rows[int(torch.nonzero(p_len == 0)[0])])
+        raise ValueError(f"rollout {bad} has an empty prompt: its first response token has no context")
+    lens = p_len + r_len  # [n]
+    r_eff = max(1, int(r_len.max()))
+    ids = sub.input_ids  # [n, P + R]; the real tokens of row i are contiguous from column P - p_len[i]
+    t = torch.arange(r_eff)
+    response_mask = t.unsqueeze(0) < r_len.unsqueeze(1)  # [n, r]
+    # Logits at position p_len - 1 + t predict response token t.
+    pred = torch.where(response_mask, (p_len - 1).unsqueeze(1) + t, torch.zeros_like(t))  # [n, r]
+    if packed:
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        tokens = [ids[i, width - int(p_len[i]) : width + int(r_len[i])] for i in range(n)]
+        flat = torch.cat(tokens).unsqueeze(0)  # [1, T]
+        cu = torch.zeros(n + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(lens, 0)
+        positions = torch.cat([torch.arange(int(x)) for x in lens]).unsqueeze(0)  # [1, T]
+        targets = torch.cat([flat[:, 1:], flat.new_zeros(1, 1)], dim=1)  # crosses sequence ends only where unused
+        longest = int(lens.max())
+        params = PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu.to(device),
+            cu_seqlens_kv=cu.to(device),
+            max_seqlen_q=longest,
+            max_seqlen_kv=longest,
+        )
+        index = cu[:-1].long().unsqueeze(1) + pred  # [n, r]
+        return _MicroBatch(
+            rows=rows,
+            input_ids=flat.to(device),
+            position_ids=positions.to(device),
+            attention_mask=None,
+            packed=params,
+            targets=targets.to(device),
+            response_index=index.to(device),
+            response_mask=response_mask.to(device),
+        )
+    seq = int(lens.max())
+    pos = torch.arange(seq)
+    gather = ((width - p_len).unsqueeze(1) + pos).clamp(max=ids.shape[1] - 1)  # [n, S]
+    valid = pos.unsqueeze(0) < lens.unsqueeze(1)  # [n, S]
+    tokens = torch.where(valid, ids.gather(1, gather), torch.zeros_like(gather))
+    targets = torch.cat([tokens[:, 1:], tokens.new_zeros(n, 1)], dim=1)
+    causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)  # [S, S] True above the diagonal
+    mask = (causal.unsqueeze(0) | ~valid.unsqueeze(1)).unsqueeze(1)  # [n, 1, S, S]: future or padding keys
+    index = torch.arange(n).unsqueeze(1) * seq + pred  # [n, r]
+    return _MicroBatch(
+        rows=rows,
+        input_ids=tokens.to(device),
+        position_ids=pos.expand(n, seq).contiguous().to(device),
+        attention_mask=mask.to(device),
+        packed=None,
+        targets=targets.to(device),
+        response_index=index.to(device),
+        response_mask=response_mask.to(device),
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class MegatronPolicy:
+    """pi_theta as a Megatron-Core GPTModel shard (see the module docstring)."""
+
+    def __init__(self, cfg: RunConfig, model_dir: str | Path, *, vocab_multiple: int | None = None) -> None:
+        """Build the model from an HF folder or a Megatron policy directory.
+
+        Args:
+            cfg: the run config (``policy.*``, ``generation.temperature``, ``algorithm.seed``).
+            model_dir: an HF folder (config.json + safetensors) or a directory written by :meth:`save` /
+                ``nemo_disco.convert.hf_to_megatron`` (its weights only; the optimizer starts fresh).
+            vocab_multiple: pad the vocabulary to a multiple of lcm(this, TP) (Megatron's
+                ``make_vocab_size_divisible_by``); default: the checkpoint's, else 128.
+        """
+        cpu_compat.apply()
+        from megatron.core import parallel_state as ps
+
+        pc = cfg.policy
+        self.cfg = cfg
+        self.model_dir = Path(model_dir)
+        self.on_gpu = torch.cuda.is_available()
+        self.dtype = _DTYPES[pc.dtype]
+        self.tp, self.pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
+        init_parallel(self.tp, self.pp, cfg.algorithm.seed)
+        # After init: under torchrun / srun it selects this process's GPU.
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else torch.device("cpu")
+        from_checkpoint = is_checkpoint_dir(self.model_dir)
+        meta = read_checkpoint_meta(self.model_dir) if from_checkpoint else {}
+        self.spec = weights.ModelSpec.from_dir(self.model_dir)
+        self.vocab_multiple = vocab_multiple or meta.get("vocab_multiple") or weights.DEFAULT_VOCAB_MULTIPLE
+        self.padded_vocab = weights.padded_vocab_size(self.spec.vocab_size, self.tp, self.vocab_multiple)
+        self.use_te = te_available()
+        self.packed = self.use_te  # THD packing needs TE attention
+        self.temperature = cfg.generation.temperature
+        recompute = pc.activation_checkpointing
+        self.tf_config = transformer_config(
+            self.spec, tp=self.tp, pp=self.pp, dtype=self.dtype, use_te=self.use_te, recompute=recompute
+        )
+        self.gpt = build_gpt_model(self.spec, self.tf_config, self.padded_vocab, self.use_te)
+        if from_checkpoint:
+            self._check_meta(meta, self.model_dir)
+            load_model_checkpoint(self.gpt, self.model_dir / "model")
+        else:
+            load_hf_weights(self.gpt, self.model_dir, self.spec, self.padded_vocab)
+        self._source_dir = self.model_dir
+        self.model = self._wrap_ddp()
+        self.optimizer = self._build_optimizer()
+        self.updates = 0
+        self.total_updates = cfg.algorithm.steps * cfg.updates_per_step
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.pp_group = ps.get_pipeline_model_parallel_group()
+        self.dp_group = ps.get_data_parallel_group()
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.dp_size = ps.get_data_parallel_world_size()
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.is_last_stage = ps.is_pipeline_last_stage()
+        self._last_stage_rank = ps.get_pipeline_model_parallel_last_rank()
+        self._offloaded = False
+
+    # ------------------------------------------------------------------------------------------------------------------
+    # Construction helpers.
+
+    def _wrap_ddp(self) -> Any:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=self.on_gpu and self.cfg.policy.use_distributed_optimizer,
+            # SUM over data-parallel ranks: the surrogate is already globally normalised.
+            average_in_collective=False,
+        )
+        with cpu_compat.device_scope():
+            return DistributedDataParallel(config=self.tf_config, ddp_config=ddp_config, module=self.gpt)
+
+    def _build_optimizer(self) -> Any:
+        pc = self.cfg.policy
+        if self.on_gpu:
+            from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+            opt_config = OptimizerConfig(
+                optimizer="adam",
+                lr=pc.lr,
+                weight_decay=pc.weight_decay,
+                adam_beta1=pc.adam_beta1,
+                adam_beta2=pc.adam_beta2,
+                adam_eps=pc.adam_eps,
+                clip_grad=pc.grad_clip,
+                bf16=self.dtype == torch.bfloat16,
+                fp16=self.dtype == torch.float16,
+                params_dtype=self.dtype,
+                use_distributed_optimizer=pc.use_distributed_optimizer,
+            )
+            optimizer = get_megatron_optimizer(opt_config, [self.model])
+            if self.dtype == torch.float16:
+                self.tf_config.grad_scale_func = optimizer.scale_loss
+            return optimizer
+        # mcore's default weight-decay groups: none on biases and 1-D parameters (norms).
+        decay, no_decay = [], []
+        for name, p in self.gpt.named_parameters():
+            (no_decay if name.endswith(".bias") or p.dim() == 1 else decay).append(p)
+        groups = [{"params": decay, "weight_decay": pc.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        return torch.optim.AdamW(
+            [g for g in groups if g["params"]], lr=pc.lr, betas=(pc.adam_beta1, pc.adam_beta2), eps=pc.adam_eps
+        )
+
+    def _check_meta(self, meta: dict[str, Any], where: Path) -> None:
+        if int(meta["padded_vocab_size"]) != self.padded_vocab:
+            raise ValueError(
+                f"{where}: the checkpoint pads the vocabulary to {meta['padded_vocab_size']} rows but TP="
+                f"{self.tp} with vocab_multiple={self.vocab_multiple} pads to {self.padded_vocab}"
+            )
+
+    # ------------------------------------------------------------------------------------------------------------------
+    # Forward / backward through the schedules.
+
+    def _microbatches(self, batch: RolloutBatch) -> list[_MicroBatch]:
+        groups = split_microbatches(batch, self.cfg.policy.microbatch_tokens, self.packed)
+        return [_prepare(batch, rows, self.packed, self.device) for rows in groups]
+
+    def _response_logprobs(
+        self, logits: torch.Tensor, mb: _MicroBatch, width: int, entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[n, R] log-probs (and entropy) of the response tokens from this shard's logits [b, s, V / TP]."""
+        shard = self.padded_vocab // self.tp
+        lp, ent = token_logprobs(
+            logits,
+            mb.targets,
+            temperature=self.temperature,
+            group=self.tp_group if self.tp > 1 else None,
+            vocab_start=self.tp_rank * shard,
+            vocab_size=self.spec.vocab_size,
+            chunk_size=self.cfg.policy.logprob_chunk_size,
+            entropy=entropy,
+        )  # [b, s] each
+
+        def pick(x: torch.Tensor) -> torch.Tensor:
+            out = x.reshape(-1)[mb.response_index]  # [n, r]
+            out = torch.where(mb.response_mask, out, torch.zeros_like(out))
+            return torch.nn.functional.pad(out, (0, width - out.shape[1]))  # [n, R]
+
+        return pick(lp), (pick(ent) if entropy else None)
+
+    def _run(
+        self,
+        mbs: list[_MicroBatch],
+        width: int,
+        entropy: bool,
+        on_output: Callable[[_MicroBatch, torch.Tensor, torch.Tensor | None], torch.Tensor],
+        forward_only: bool,
+    ) -> None:
+        """One pass over the micro-batches through Megatron's schedule; ``on_output`` runs on the last stage."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def loss_func(mb: _MicroBatch, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+            lp, ent = self._response_logprobs(logits, mb, width, entropy)
+            value = on_output(mb, lp, ent)
+            # A 3-tuple with calculate_per_token_loss: the schedule neither divides by num_tokens nor by the
+            # number of micro-batches, so the backward is exactly d value / d theta.
+            return value, torch.ones((), dtype=torch.int, device=value.device), {}
+
+        def forward_step(data_iterator: Iterator[_MicroBatch], model: Any) -> tuple[torch.Tensor, Callable]:
+            mb = next(data_iterator)
+            out = model(mb.input_ids, mb.position_ids, mb.attention_mask, packed_seq_params=mb.packed)
+            return out, functools.partial(loss_func, mb)
+
+        with cpu_compat.device_scope():
+            get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iter(mbs),
+                model=[self.model],
+                num_microbatches=len(mbs),
+                seq_length=max(int(mb.input_ids.shape[1]) for mb in mbs),
+                micro_batch_size=max(int(mb.input_ids.shape[0]) for mb in mbs),
+                forward_only=forward_only,
+            )
+
+    def _broadcast_from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
+        if self.pp > 1:
+            dist.broadcast(t, src=self._last_stage_rank, group=self.pp_group)
+        return t
+
+    @torch.no_grad()
+    def logprobs(self, batch: RolloutBatch, *, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-token log-probs (and entropy) of ``batch.response_ids``, [N, R] float32 on CPU, on every rank."""
+        self.model.eval()
+        n, width = batch.response_ids.shape
+        lp_all = torch.zeros((n, width), dtype=torch.float32, device=self.device)
+        ent_all = torch.zeros((n, width), dtype=torch.float32, device=self.device) if entropy else None
+
+        def store(mb: _MicroBatch, lp: torch.Tensor, ent: torch.Tensor | None) -> torch.Tensor:
+            rows = mb.rows.to(self.device)
+            lp_all[rows] = lp
+            if ent_all is not None:
+                ent_all[rows] = ent
+            return lp.new_zeros(())
+
+        self._run(self._microbatches(batch), width, entropy, store, forward_only=True)
+        self._broadcast_from_last_stage(lp_all)
+        if ent_all is not None:
+            self._broadcast_from_last_stage(ent_all)
+        return lp_all.cpu(), (ent_all.cpu() if ent_all is not None else None)
+
+    def accumulate_gradients(self, batch: RolloutBatch, surrogate_fn: SurrogateFn, *, entropy: bool = False) -> float:
+        """Zero the gradients, then backward of the summed surrogate over micro-batches and DP ranks (no step).
+
+        The first half of :meth:`train_minibatch`; with :meth:`export_gradients` it lets tests and tools read
+        the exact gradient. Returns the summed surrogate of this DP rank's micro-batches (on every rank of the
+        model-parallel group).
+        """
+        from megatron.core.distributed import finalize_model_grads
+
+        self.model.train()
+        self.model.zero_grad_buffer()
+        values: list[torch.Tensor] = []
+
+        def surrogate(mb: _MicroBatch, lp: torch.Tensor, ent: torch.Tensor | None) -> torch.Tensor:
+            value = surrogate_fn(mb.rows, lp, ent)
+            values.append(value.detach().float())
+            return value
+
+        self._run(self._microbatches(batch), batch.response_ids.shape[1], entropy, surrogate, forward_only=False)
+        with cpu_compat.device_scope():
+            # DP all-reduce (SUM) and the tied-embedding sync; num_tokens=None: no division by a token count.
+            finalize_model_grads([self.model], num_tokens=None)
+        total = torch.stack(values).sum() if values else torch.zeros((), device=self.device)
+        return float(self._broadcast_from_last_stage(total.reshape(1).to(self.device)))
+
+    def train_minibatch(
+        self,
+        batch: RolloutBatch,
+        surrogate_fn: SurrogateFn,
+        *,
+        entropy: bool = False,
+        lr: float | None = None,
+    ) -> dict[str, float]:
+        """One optimizer update on the summed micro-batch surrogates (see ``Policy.train_minibatch``).
+
+        Args:
+            batch: this DP rank's rollouts.
+            surrogate_fn: ``(rows, logprobs [n, R], entropy [n, R] | None) -> scalar``, called per micro-batch
+                on the last pipeline stage.
+            entropy: pass per-token entropy to ``surrogate_fn``.
+            lr: learning rate of this update; None follows ``policy.schedule.lr_at``.
+        """
+        surrogate = self.accumulate_gradients(batch, surrogate_fn, entropy=entropy)
+        step_lr = lr_at(self.updates, self.cfg.policy, self.total_updates) if lr is None else lr
+        clip = self.cfg.policy.grad_clip
+        if self.on_gpu:
+            grad_norm, skipped = self._step_megatron(step_lr, clip, surrogate)
+        else:
+            grad_norm, skipped = self._step_torch(step_lr, clip, surrogate)
+        self.model.zero_grad_buffer()
+        if not skipped:
+            self.updates += 1
+        return {"grad_norm": grad_norm, "lr": step_lr, "skipped": float(skipped), "surrogate": surrogate}
+
+    def _any_rank(self, flag: bool) -> bool:
+        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item() > 0)
+
+    def _step_torch(self, step_lr: float, clip: float, surrogate: float) -> tuple[float, bool]:
+        grad_norm = self.grad_norm()
+        if self._any_rank(not (math.isfinite(surrogate) and math.isfinite(grad_norm))):
+            return grad_norm, True
+        coeff = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0
+        for p in self.gpt.parameters():
+            g = p.main_grad if coeff == 1.0 else p.main_grad * coeff
+            p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
+        for group in self.optimizer.param_groups:
+            group["lr"] = step_lr
+        self.optimizer.step()
+        for p in self.gpt.parameters():
+            p.grad = None
+        return grad_norm, False
+
+    def _step_megatron(self, step_lr: float, clip: float, surrogate: float) -> tuple[float, bool]:
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        found_inf = self.optimizer.prepare_grads()
+        grad_norm = float(self.optimizer.get_grad_norm())
+        if self._any_rank(found_inf or not (math.isfinite(surrogate) and math.isfinite(grad_norm))):
+            self.optimizer.zero_grad()
+            return grad_norm, True
+        for group in self.optimizer.param_groups:
+            group["lr"] = step_lr
+        if clip > 0:
+            for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+                params = [] if getattr(opt, "is_stub_optimizer", False) else opt.get_parameters()
+                if params:
+                    clip_grad_by_total_norm_fp32(params, clip, grad_norm)
+        self.optimizer.step_with_ready_grads()
+        self.optimizer.zero_grad()
+        return grad_norm, False
+
+    def grad_norm(self) -> float:
+        """L2 norm of the accumulated gradient of the whole model (TP / PP reduced; replicas counted once)."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+        from megatron.core.transformer.module import param_is_not_shared
+
+        sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        for p in self.gpt.parameters():
+            if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
+                sq += p.main_grad.float().pow(2).sum()
+        dist.all_reduce(sq, group=ps.get_model_parallel_group())
+        return float(sq.sqrt())
+
+    # ------------------------------------------------------------------------------------------------------------------
+    # Weights, checkpoints, offload.
+
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full HF-named tensors, TP-gathered and PP-broadcast in buckets of ``generation.refit_bucket_mb``."""
+        yield from weights.export_hf(
+            dict(self.gpt.named_parameters()),
+            self.spec,
+            tp_group=self.tp_group if self.tp > 1 else None,
+            pp_group=self.pp_group if self.pp > 1 else None,
+            bucket_bytes=self.cfg.generation.refit_bucket_mb * 2**20,
+        )
+
+    def export_gradients(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The accumulated gradient (after :meth:`accumulate_gradients`) as full HF-named tensors."""
+        yield from weights.export_hf(
+            {name: p.main_grad for name, p in self.gpt.named_parameters()},
+            self.spec,
+            tp_group=self.tp_group if self.tp > 1 else None,
+            pp_group=self.pp_group if self.pp > 1 else None,
+            bucket_bytes=self.cfg.generation.refit_bucket_mb * 2**20,
+        )
+
+    def _optimizer_sharded_state_dict(self, is_loading: bool) -> dict[str, Any]:
+        model_sd = self.gpt.sharded_state_dict()
+        if self.on_gpu:
+            return self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+        from megatron.core.dist_checkpointing.optimizer import (
+            get_param_id_to_sharded_param_map,
+            optim_state_to_sharding_state,
+        )
+
+        self._init_adam_state()
+        state = self.optimizer.state_dict()
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        steps = {float(s["step"]) for s in state["state"].values()}
+        if len(steps) > 1:
+            raise ValueError(f"optimizer steps differ across parameters: {sorted(steps)}")
+        common_step = steps.pop()
+        id_map = get_param_id_to_sharded_param_map(model_sd, params)
+        optim_state_to_sharding_state(state, id_map, exclude_keys="step")
+        state["state"]["common_step"] = common_step
+        return state
+
+    def _init_adam_state(self) -> None:
+        """Zero AdamW moments for parameters without state: identical to a fresh optimizer, but saveable."""
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if not self.optimizer.state[p]:
+                    self.optimizer.state[p] = {
+                        "step": torch.zeros((), dtype=torch.float32),
+                        "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                        "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    }
+
+    def save(self, directory: Path) -> None:
+        """Collective: weights and optimizer as dist checkpoints, plus ``megatron.json`` and the HF files."""
+        from megatron.core import dist_checkpointing
+
+        directory = Path(directory)
+        if dist.get_rank() == 0:
+            directory.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        save_model_checkpoint(self.gpt, directory / "model")
+        _make_dir(directory / "optimizer")
+        with cpu_compat.device_scope():
+            dist_checkpointing.save(self._optimizer_sharded_state_dict(is_loading=False), str(directory / "optimizer"))
+        if dist.get_rank() == 0:
+            write_policy_files(directory, self._source_dir, self._meta())
+        dist.barrier()
+
+    def _meta(self) -> dict[str, Any]:
+        return {
+            "updates": self.updates,
+            "tensor_parallel_size": self.tp,
+            "pipeline_parallel_size": self.pp,
+            "dtype": self.cfg.policy.dtype,
+            "vocab_size": self.spec.vocab_size,
+            "padded_vocab_size": self.padded_vocab,
+            "vocab_multiple": self.vocab_multiple,
+        }
+
+    def load(self, directory: Path) -> None:
+        """Collective: restore what :meth:`save` wrote (at any TP / PP), or the weights of a weights-only dir."""
+        from megatron.core import dist_checkpointing
+
+        directory = Path(directory)
+        meta = read_checkpoint_meta(directory)
+        self._check_meta(meta, directory)
+        load_model_checkpoint(self.gpt, directory / "model")
+        if self.on_gpu:
+            self.optimizer.reload_model_params()
+        if (directory / "optimizer").is_dir():
+            with cpu_compat.device_scope():
+                template = self._optimizer_sharded_state_dict(is_loading=True)
+                state = dist_checkpointing.load(template, str(directory / "optimizer"))
+            if not self.on_gpu:
+                step = state["state"].pop("common_step")
+                for s in state["state"].values():
+                    s["step"] = torch.tensor(float(step), dtype=torch.float32)
+            self.optimizer.load_state_dict(state)
+        self.updates = int(meta.get("updates", 0))
+
+    def offload(self) -> None:
+        """Weights, gradient buffers and optimizer state to CPU (a no-op on a CPU-only machine)."""
+        if not self.on_gpu or self._offloaded:
+            return
+        self.model.offload_grad_buffers()
+        for buffer in self.model.buffers:
+            if buffer.param_data is not None:
+                buffer.offload_to_cpu(move_params=True, move_grads=False)
+        if not self.model.ddp_config.use_distributed_optimizer:
+            for p in self.gpt.parameters():
+                p.data = p.data.to("cpu", non_blocking=True)
+        self._move_optimizer(torch.device("cpu"))
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        self._offloaded = True
+
+    def onload(self) -> None:
+        """Inverse of :meth:`offload`."""
+        if not self.on_gpu or not self._offloaded:
+            return
+        for buffer in self.model.buffers:
+            if buffer.param_data is not None:
+                buffer.reload_from_cpu(move_params=True, move_grads=False)
+        if not self.model.ddp_config.use_distributed_optimizer:
+            for p in self.gpt.parameters():
+                p.data = p.data.to(self.device, non_blocking=True)
+        self.model.restore_grad_buffers()
+        self._move_optimizer(self.device)
+        torch.cuda.synchronize()
+        self._offloaded = False
+
+    def _move_optimizer(self, device: torch.device) -> None:
+        """Adam moments and, for bf16 / fp16 weights, the fp32 master copies (float32 masters ARE the weights)."""
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            inner = getattr(opt, "optimizer", None)
+            if inner is None:  # a stub optimizer of a rank without parameters of that kind
+                continue
+            for state in inner.state.values():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor):
+                        state[key] = value.to(device, non_blocking=True)
+            if self.dtype != torch.float32:
+                for group in inner.param_groups:
+                    for p in group["params"]:
+                        p.data = p.data.to(device, non_blocking=True)

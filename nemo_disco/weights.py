@@ -1,0 +1,521 @@
+"""Hugging Face <-> Megatron-Core GPTModel weight maps (Qwen2, Llama) and streaming export.
+
+The map is the project's own: Megatron-Bridge, which provides such maps upstream, needs Python >= 3.12 and
+GPU-only dependencies (transformer-engine and friends), while the CPU stack runs Python 3.11 and
+megatron-core 0.16.1.
+
+One table per architecture lists, for every tensor, its Hugging Face name(s), its Megatron-Core name(s)
+(the local layer spec's name first, then the Transformer Engine spec's fused-norm name) and its kind:
+
+- ``replicated``: the same full tensor on every tensor-parallel (TP) rank (norms);
+- ``row``: row-parallel linear, split along the input dim (dim 1): ``o_proj``, ``down_proj``;
+- ``vocab``: embedding / output layer, rows padded to the padded vocabulary then split along dim 0;
+- ``qkv``: ``q_proj``, ``k_proj``, ``v_proj`` fused into ``linear_qkv`` with the layout mcore splits at run
+  time: for each of the ``ng`` query groups, ``[q heads of group g (nh / ng of them), k_g, v_g]``; the fused
+  rows are then split contiguously over TP (weights and biases alike);
+- ``gate_up``: SwiGLU ``gate_proj`` and ``up_proj`` fused into ``linear_fc1``; TP rank r holds
+  ``[gate_r; up_r]`` (mcore's GLU chunks the *local* output in two halves), not a slice of ``[gate; up]``.
+
+Layers are split evenly over pipeline-parallel (PP) stages: global layer ``i`` lives on stage
+``i // (L / PP)`` as local layer ``i % (L / PP)``. The embedding is on the first stage, the final norm and the
+output layer on the last one; with tied embeddings and PP > 1 the last stage also holds a copy of the
+embedding as ``output_layer.weight`` (mcore keeps the two in sync), which export skips.
+
+Adding an architecture is adding a table to :data:`TABLES` (and, if its config differs, a branch in
+:meth:`ModelSpec.from_hf_config`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+REPLICATED, ROW, VOCAB, QKV, GATE_UP = "replicated", "row", "vocab", "qkv", "gate_up"
+
+#: Megatron's default ``make_vocab_size_divisible_by``.
+DEFAULT_VOCAB_MULTIPLE = 128
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The architecture facts the weight map and the Megatron model need, read from an HF ``config.json``."""
+
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    head_dim: int
+    ffn_hidden_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    rope_scaling_factor: float | None = None
+
+    @classmethod
+    def from_hf_config(cls, config: Mapping[str, Any], source: str = "config.json") -> ModelSpec:
+        """Parse a Hugging Face config dict (Qwen2 or Llama).
+
+        Raises:
+            ValueError: an unsupported architecture or feature, naming ``source`` and the key.
+        """
+        arch = config.get("model_type")
+        if arch not in TABLES:
+            raise ValueError(f"{source}: model_type={arch!r} is not supported (supported: {sorted(TABLES)})")
+        if config.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{source}: hidden_act={config['hidden_act']!r} is not supported (only silu)")
+        for key in ("attention_bias", "mlp_bias", "use_sliding_window"):
+            if config.get(key):
+                raise ValueError(f"{source}: {key}=true is not supported")
+        rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+        theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        factor = None
+        if rope_type == "llama3":
+            # mcore implements llama3 scaling with these three constants fixed.
+            fixed = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+            for key, value in fixed.items():
+                if float(rope.get(key, value)) != value:
+                    raise ValueError(f"{source}: rope {key}={rope[key]} is not supported (mcore fixes it at {value})")
+            factor = float(rope["factor"])
+        elif rope_type != "default":
+            raise ValueError(f"{source}: rope_type={rope_type!r} is not supported (default or llama3)")
+        heads = int(config["num_attention_heads"])
+        groups = int(config.get("num_key_value_heads") or heads)
+        hidden = int(config["hidden_size"])
+        return cls(
+            architecture=arch,
+            num_layers=int(config["num_hidden_layers"]),
+            hidden_size=hidden,
+            num_attention_heads=heads,
+            num_query_groups=groups,
+            head_dim=int(config.get("head_dim") or hidden // heads),
+            ffn_hidden_size=int(config["intermediate_size"]),
+            vocab_size=int(config["vocab_size"]),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "qwen2",
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+            rope_scaling_factor=factor,
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelSpec:
+        """Read ``<model_dir>/config.json``."""
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ValueError(f"{path}: not found (expected a Hugging Face model folder)")
+        return cls.from_hf_config(json.loads(path.read_text()), str(path))
+
+
+def padded_vocab_size(vocab_size: int, tp_size: int, multiple: int = DEFAULT_VOCAB_MULTIPLE) -> int:
+    """Vocabulary rows of the Megatron embedding: ``vocab_size`` rounded up to a multiple of lcm(multiple, TP).
+
+    Unlike Megatron-LM's ``multiple * TP``, the padding does not change with TP whenever TP divides
+    ``multiple`` (1, 2, 4, ... 128 for the default 128), so a checkpoint reshards to another TP unchanged.
+    """
+    step = math.lcm(multiple, tp_size)
+    return -(-vocab_size // step) * step
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One row of a weight table; ``{layer}`` in a name is the (global HF / local mcore) layer index."""
+
+    hf: tuple[str, ...]
+    mcore: tuple[str, ...]
+    kind: str
+    #: Owning pipeline stage of a non-layer entry: "first" or "last".
+    stage: str = "last"
+    #: Only present when the embeddings are not tied (the output layer).
+    untied_only: bool = False
+
+    @property
+    def per_layer(self) -> bool:
+        """Whether the entry repeats for every decoder layer."""
+        return "{layer}" in self.hf[0]
+
+
+_H = "model.layers.{layer}."
+_M = "decoder.layers.{layer}."
+_EMBED = Entry(("model.embed_tokens.weight",), ("embedding.word_embeddings.weight",), VOCAB, stage="first")
+_INPUT_NORM = Entry(
+    (_H + "input_layernorm.weight",),
+    (_M + "input_layernorm.weight", _M + "self_attention.linear_qkv.layer_norm_weight"),
+    REPLICATED,
+)
+_QKV = Entry(
+    (_H + "self_attn.q_proj.weight", _H + "self_attn.k_proj.weight", _H + "self_attn.v_proj.weight"),
+    (_M + "self_attention.linear_qkv.weight",),
+    QKV,
+)
+_QKV_BIAS = Entry(
+    (_H + "self_attn.q_proj.bias", _H + "self_attn.k_proj.bias", _H + "self_attn.v_proj.bias"),
+    (_M + "self_attention.linear_qkv.bias",),
+    QKV,
+)
+_O = Entry((_H + "self_attn.o_proj.weight",), (_M + "self_attention.linear_proj.weight",), ROW)
+_POST_NORM = Entry(
+    (_H + "post_attention_layernorm.weight",),
+    (_M + "pre_mlp_layernorm.weight", _M + "mlp.linear_fc1.layer_norm_weight"),
+    REPLICATED,
+)
+_GATE_UP = Entry((_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"), (_M + "mlp.linear_fc1.weight",), GATE_UP)
+_DOWN = Entry((_H + "mlp.down_proj.weight",), (_M + "mlp.linear_fc2.weight",), ROW)
+_FINAL_NORM = Entry(("model.norm.weight",), ("decoder.final_layernorm.weight",), REPLICATED)
+_LM_HEAD = Entry(("lm_head.weight",), ("output_layer.weight",), VOCAB, untied_only=True)
+
+QWEN2: tuple[Entry, ...] = (
+    _EMBED,
+    _INPUT_NORM,
+    _QKV,
+    _QKV_BIAS,
+    _O,
+    _POST_NORM,
+    _GATE_UP,
+    _DOWN,
+    _FINAL_NORM,
+    _LM_HEAD,
+)
+LLAMA: tuple[Entry, ...] = (_EMBED, _INPUT_NORM, _QKV, _O, _POST_NORM, _GATE_UP, _DOWN, _FINAL_NORM, _LM_HEAD)
+TABLES: dict[str, tuple[Entry, ...]] = {"qwen2": QWEN2, "llama": LLAMA}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Sharding of one entry.
+
+
+def _qkv_fuse(spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """[(nh + 2 ng) hd, ...] in mcore's per-group order [q_g..., k_g, v_g] from HF's separate q / k / v."""
+    ng, hd = spec.num_query_groups, spec.head_dim
+    per = spec.num_attention_heads // ng
+    rest = q.shape[1:]
+    fused = torch.cat(
+        [q.reshape(ng, per * hd, *rest), k.reshape(ng, hd, *rest), v.reshape(ng, hd, *rest)], dim=1
+    )  # [ng, (per + 2) hd, ...]
+    return fused.reshape(ng * (per + 2) * hd, *rest)
+
+
+def _qkv_split(spec: ModelSpec, fused: torch.Tensor) -> list[torch.Tensor]:
+    """Inverse of :func:`_qkv_fuse`: [q, k, v]."""
+    ng, hd = spec.num_query_groups, spec.head_dim
+    per = spec.num_attention_heads // ng
+    rest = fused.shape[1:]
+    grouped = fused.reshape(ng, (per + 2) * hd, *rest)
+    q, k, v = grouped.split([per * hd, hd, hd], dim=1)
+    return [q.reshape(ng * per * hd, *rest), k.reshape(ng * hd, *rest), v.reshape(ng * hd, *rest)]
+
+
+def to_shard(
+    kind: str, tensors: Sequence[torch.Tensor], spec: ModelSpec, tp_size: int, tp_rank: int, padded_vocab: int
+) -> torch.Tensor:
+    """This TP rank's Megatron tensor from the entry's full HF tensors (in the entry's ``hf`` order)."""
+    if kind == REPLICATED:
+        return tensors[0]
+    if kind == ROW:
+        return tensors[0].chunk(tp_size, dim=1)[tp_rank]
+    if kind == VOCAB:
+        full = tensors[0]
+        if padded_vocab > full.shape[0]:  # [V, h] -> [V_padded, h], zero rows
+            full = torch.cat([full, full.new_zeros(padded_vocab - full.shape[0], *full.shape[1:])])
+        return full.chunk(tp_size, dim=0)[tp_rank]
+    if kind == QKV:
+        return _qkv_fuse(spec, *tensors).chunk(tp_size, dim=0)[tp_rank]
+    if kind == GATE_UP:
+        gate, up = tensors
+        return torch.cat([gate.chunk(tp_size, dim=0)[tp_rank], up.chunk(tp_size, dim=0)[tp_rank]])
+    raise ValueError(f"unknown weight kind {kind!r}")
+
+
+def from_shards(kind: str, shards: Sequence[torch.Tensor], spec: ModelSpec) -> list[torch.Tensor]:
+    """The entry's full HF tensors from every TP rank's Megatron tensor (TP rank order)."""
+    if kind == REPLICATED:
+        return [shards[0]]
+    if kind == ROW:
+        return [torch.cat(list(shards), dim=1)]
+    if kind == VOCAB:
+        return [torch.cat(list(shards), dim=0)[: spec.vocab_size]]
+    if kind == QKV:
+        return _qkv_split(spec, torch.cat(list(shards), dim=0))
+    if kind == GATE_UP:
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
+    raise ValueError(f"unknown weight kind {kind!r}")
+
+
+def hf_shapes(entry: Entry, spec: ModelSpec) -> list[tuple[int, ...]]:
+    """Full HF shapes of an entry's tensors."""
+    h, hd = spec.hidden_size, spec.head_dim
+    q_rows, kv_rows = spec.num_attention_heads * hd, spec.num_query_groups * hd
+    if entry.kind == VOCAB:
+        return [(spec.vocab_size, h)]
+    if entry.kind == REPLICATED:
+        return [(h,)]
+    if entry.kind == ROW:
+        return [(h, q_rows)] if "o_proj" in entry.hf[0] else [(h, spec.ffn_hidden_size)]
+    if entry.kind == QKV:
+        tail = (h,) if entry.hf[0].endswith("weight") else ()
+        return [(q_rows, *tail), (kv_rows, *tail), (kv_rows, *tail)]
+    if entry.kind == GATE_UP:
+        return [(spec.ffn_hidden_size, h)] * 2
+    raise ValueError(f"unknown weight kind {entry.kind!r}")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Pipeline placement.
+
+
+def layer_range(num_layers: int, pp_size: int, pp_rank: int) -> range:
+    """Global layer indices held by pipeline stage ``pp_rank`` (even split).
+
+    Raises:
+        ValueError: ``num_layers`` not divisible by ``pp_size``.
+    """
+    if num_layers % pp_size:
+        raise ValueError(f"num_hidden_layers={num_layers} is not divisible by pipeline_parallel_size={pp_size}")
+    per = num_layers // pp_size
+    return range(pp_rank * per, (pp_rank + 1) * per)
+
+
+def stage_of_layer(layer: int, num_layers: int, pp_size: int) -> tuple[int, int]:
+    """(stage, local index) of global layer ``layer``."""
+    per = num_layers // pp_size
+    return layer // per, layer % per
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One table entry instantiated for one layer: where it lives and under which names."""
+
+    entry: Entry
+    hf_names: tuple[str, ...]
+    stage: int
+    #: mcore name candidates on the owning stage (local layer index filled in).
+    mcore_names: tuple[str, ...]
+
+
+def placements(spec: ModelSpec, pp_size: int) -> list[Placement]:
+    """Every HF tensor group of the model, in HF order, with its owning pipeline stage.
+
+    The output layer of a tied model is not listed: it is the embedding.
+    """
+    out: list[Placement] = []
+    last = pp_size - 1
+    for entry in TABLES[spec.architecture]:
+        if entry.untied_only and spec.tie_word_embeddings:
+            continue
+        if entry.per_layer:
+            for layer in range(spec.num_layers):
+                stage, local = stage_of_layer(layer, spec.num_layers, pp_size)
+                out.append(
+                    Placement(
+                        entry,
+                        tuple(n.format(layer=layer) for n in entry.hf),
+                        stage,
+                        tuple(n.format(layer=local) for n in entry.mcore),
+                    )
+                )
+        else:
+            stage = 0 if entry.stage == "first" else last
+            out.append(Placement(entry, entry.hf, stage, entry.mcore))
+    return out
+
+
+def _resolve(candidates: Sequence[str], names: Mapping[str, Any]) -> str | None:
+    return next((n for n in candidates if n in names), None)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Import: HF checkpoint -> this rank's Megatron parameters.
+
+
+class SafetensorsReader:
+    """Lazy reader of an HF folder's ``*.safetensors`` (single file or sharded with an index)."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        from safetensors import safe_open
+
+        self.model_dir = Path(model_dir)
+        index = self.model_dir / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in self.model_dir.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"{self.model_dir}: no *.safetensors weights found")
+        self._handles = {f: safe_open(str(self.model_dir / f), framework="pt") for f in files}
+        self._where = {name: f for f, h in self._handles.items() for name in h.keys()}
+
+    def names(self) -> set[str]:
+        """Every tensor name in the checkpoint."""
+        return set(self._where)
+
+    def __call__(self, name: str) -> torch.Tensor:
+        """The full tensor ``name``."""
+        if name not in self._where:
+            raise ValueError(f"{self.model_dir}: tensor {name!r} not found in the safetensors files")
+        return self._handles[self._where[name]].get_tensor(name)
+
+
+def load_hf_into(
+    params: Mapping[str, torch.Tensor],
+    read: Callable[[str], torch.Tensor],
+    spec: ModelSpec,
+    *,
+    tp_size: int,
+    tp_rank: int,
+    pp_size: int,
+    pp_rank: int,
+    padded_vocab: int,
+) -> None:
+    """Copy this rank's shard of every HF tensor into the Megatron parameters ``params`` (in place).
+
+    Args:
+        params: this rank's Megatron parameters by name (``model.named_parameters()`` of the unwrapped GPTModel).
+        read: full HF tensor by name (e.g. a :class:`SafetensorsReader`).
+        spec: the architecture.
+        tp_size: tensor-parallel size.
+        tp_rank: this rank's tensor-parallel index.
+        pp_size: pipeline-parallel size.
+        pp_rank: this rank's pipeline stage.
+        padded_vocab: embedding / output-layer rows (see :func:`padded_vocab_size`).
+
+    Raises:
+        ValueError: a parameter that no table entry covers, or a shape mismatch (naming both names).
+    """
+    filled: set[str] = set()
+    for place in placements(spec, pp_size):
+        if place.stage != pp_rank:
+            continue
+        name = _resolve(place.mcore_names, params)
+        if name is None:
+            raise ValueError(f"Megatron model has none of {place.mcore_names} for {place.hf_names}")
+        _copy_shard(params[name], place, name, read, spec, tp_size, tp_rank, padded_vocab)
+        filled.add(name)
+    if spec.tie_word_embeddings and "output_layer.weight" in params:
+        # PP > 1 with tied embeddings: the last stage's output layer starts as a copy of the embedding.
+        tied = Placement(_EMBED, _EMBED.hf, pp_rank, ("output_layer.weight",))
+        _copy_shard(
+            params["output_layer.weight"], tied, "output_layer.weight", read, spec, tp_size, tp_rank, padded_vocab
+        )
+        filled.add("output_layer.weight")
+    missing = sorted(set(params) - filled)
+    if missing:
+        raise ValueError(f"the weight map for {spec.architecture} does not cover Megatron parameters {missing}")
+
+
+def _copy_shard(
+    param: torch.Tensor,
+    place: Placement,
+    name: str,
+    read: Callable[[str], torch.Tensor],
+    spec: ModelSpec,
+    tp_size: int,
+    tp_rank: int,
+    padded_vocab: int,
+) -> None:
+    shard = to_shard(place.entry.kind, [read(n) for n in place.hf_names], spec, tp_size, tp_rank, padded_vocab)
+    if tuple(shard.shape) != tuple(param.shape):
+        raise ValueError(
+            f"{place.hf_names} -> {name}: shard shape {tuple(shard.shape)} != parameter shape {tuple(param.shape)}"
+        )
+    with torch.no_grad():
+        param.copy_(shard)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Export: this rank's Megatron parameters -> full HF tensors on every rank, streamed.
+
+
+def _group_size(group: dist.ProcessGroup | None) -> int:
+    return dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+
+
+def export_hf(
+    params: Mapping[str, torch.Tensor],
+    spec: ModelSpec,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    pp_group: dist.ProcessGroup | None = None,
+    bucket_bytes: int = 512 * 2**20,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream (HF name, full tensor) for the whole model on every rank of the TP x PP group (collective).
+
+    The owning stage gathers each tensor's TP shards (one all-gather per tensor) and converts it to HF
+    layout; consecutive tensors of one stage are packed into a flat bucket of at most ``bucket_bytes``
+    (a larger tensor travels alone) and broadcast to the other stages. At most one bucket of full tensors
+    is alive at a time on a rank: the model is never materialised whole. Every rank of the model-parallel
+    group must consume the iterator to the end, in lockstep. Yielded tensors may share storage with the
+    model or the bucket: copy them to keep them.
+
+    Args:
+        params: this rank's Megatron parameters by name (unwrapped GPTModel), or tensors of the same shapes
+            (e.g. their gradients).
+        spec: the architecture.
+        tp_group: the tensor-parallel group (None: size 1).
+        pp_group: the pipeline-parallel group (None: size 1).
+        bucket_bytes: upper bound of one broadcast bucket (a larger tensor travels alone).
+    """
+    tp_size, pp_size = _group_size(tp_group), _group_size(pp_group)
+    pp_rank = dist.get_rank(pp_group) if pp_size > 1 else 0
+    sample = next(iter(params.values()))
+    dtype, device = sample.dtype, sample.device
+    plan = placements(spec, pp_size)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    buckets: list[list[Placement]] = []
+    size = 0
+    for place in plan:
+        nbytes = sum(math.prod(s) for s in hf_shapes(place.entry, spec)) * itemsize
+        if not buckets or buckets[-1][0].stage != place.stage or size + nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(place)
+        size += nbytes
+    for bucket in buckets:
+        owner = bucket[0].stage
+        names = [n for place in bucket for n in place.hf_names]
+        shapes = [s for place in bucket for s in hf_shapes(place.entry, spec)]
+        if pp_rank == owner:
+            tensors = [t for place in bucket for t in _gather_full(params, place, spec, tp_group, tp_size)]
+        if pp_size > 1:
+            src = dist.get_global_rank(pp_group, owner)
+            if pp_rank == owner:
+                flat = torch.cat([t.reshape(-1) for t in tensors])
+            else:
+                flat = torch.empty(sum(math.prod(s) for s in shapes), dtype=dtype, device=device)
+            dist.broadcast(flat, src=src, group=pp_group)
+            parts = flat.split([math.prod(s) for s in shapes])
+            tensors = [part.view(shape) for part, shape in zip(parts, shapes, strict=True)]
+        yield from zip(names, tensors, strict=True)
+        del tensors
+
+
+def _gather_full(
+    params: Mapping[str, torch.Tensor],
+    place: Placement,
+    spec: ModelSpec,
+    tp_group: dist.ProcessGroup | None,
+    tp_size: int,
+) -> list[torch.Tensor]:
+    name = _resolve(place.mcore_names, params)
+    if name is None:
+        raise ValueError(f"Megatron model has none of {place.mcore_names} for {place.hf_names}")
+    local = params[name].detach()
+    if tp_size == 1 or place.entry.kind == REPLICATED:
+        shards = [local]
+    else:
+        shards = [torch.empty_like(local) for _ in range(tp_size)]
+        dist.all_gather(shards, local.contiguous(), group=tp_group)
+    return from_shards(place.entry.kind, shards, spec)
