@@ -250,6 +250,10 @@ def save_model_checkpoint(model: Any, directory: Path) -> None:
     """Collective: the weights of ``model`` (unwrapped GPTModel) as a dist checkpoint in ``directory``."""
     from megatron.core import dist_checkpointing
 
+    try:  # megatron-core's writer processes import it and die without it, leaving the save hung forever
+        import psutil  # noqa: F401
+    except ImportError:
+        raise RuntimeError("saving a Megatron checkpoint needs psutil: pip install psutil") from None
     _make_dir(directory)
     with cpu_compat.device_scope():
         dist_checkpointing.save(model.sharded_state_dict(), str(directory))
