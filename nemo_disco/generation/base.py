@@ -11,7 +11,10 @@ import torch
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample. ``temperature=0`` is greedy; ``top_k=-1`` disables top-k; ``seed`` makes sampling reproducible."""
+    """How to sample. ``temperature=0`` is greedy; ``top_k=-1`` disables top-k; ``seed`` makes sampling reproducible.
+
+    ``stop_token_ids`` is the complete set of stop tokens: the model's own EOS stops a rollout only when listed.
+    """
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -30,7 +33,8 @@ class Rollout:
     Attributes:
         token_ids: generated tokens (the stop token included when it was sampled).
         logprobs: the generator's log-prob of each generated token under the SAMPLING distribution
-            (temperature applied; top-p / top-k truncation not renormalised), same length as token_ids.
+            (temperature applied, then renormalised over the tokens top-k / top-p kept), same length as
+            token_ids.
         finish_reason: "stop" (a stop token) or "length" (max_tokens reached).
     """
 

@@ -1,15 +1,32 @@
-"""The Generator protocol on transformers ``generate`` (CPU demo, tests, debugging).
+"""The Generator protocol on transformers ``generate`` (CPU demo, tests, debugging), and what both generators share.
 
-Log-prob convention (shared with the vLLM generator): the log-prob of each sampled token under the
-distribution it was sampled from, ``log_softmax(logits / temperature)`` after top-k / top-p
-truncation. With top_p = 1 and top_k = -1 (training) that is what the policy computes for pi_old; with
-fp32 weights on both sides the two agree to rounding.
+Conventions shared with the vLLM generator (:mod:`nemo_disco.generation.vllm`), so either backend can
+stand in for the other:
+
+- Log-probs: each sampled token's log-prob under the distribution it was sampled from,
+  ``log_softmax(logits / temperature)`` after top-k / top-p truncation (renormalised over the kept
+  tokens), which is vLLM's ``logprobs_mode="processed_logprobs"``. With ``top_p=1`` and ``top_k=-1``
+  (the training defaults) nothing is truncated and this is exactly the policy's
+  ``log_softmax(logits / temperature)`` that pi_old uses (alg. 1); with fp32 weights on both sides the
+  two agree to rounding. vLLM 0.32 has no mode for "temperature applied, truncation not renormalised":
+  its raw modes are before the temperature, its processed modes after top-k / top-p.
+  ``temperature=0`` is greedy; its log-probs are those of the temperature-1 distribution.
+- Stops: ``stop_token_ids`` is the complete set of stop tokens (the model's own EOS stops a rollout only
+  when listed); the stop token is kept as the last token and nothing after it is returned.
+  ``ignore_eos`` (benchmarks): stop tokens neither end a rollout nor are masked, every rollout has
+  exactly ``max_tokens`` tokens and finish reason "length".
+- Refit: ``update_weights`` takes every parameter of the model by its Hugging Face name, each once (tied
+  aliases such as a tied model's ``lm_head.weight`` may be sent or left out). An unknown or repeated name,
+  a wrong shape or a missing tensor raises a ValueError naming the tensor; after a refit that failed
+  part-way, ``generate`` refuses to run until a complete refit.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -18,7 +35,9 @@ from nemo_disco.generation.base import Rollout, SamplingParams
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def trim_at_stop(tokens: list[int], logprobs: list[float], stop_ids: Sequence[int]) -> tuple[list, list, str]:
+def trim_at_stop(
+    tokens: list[int], logprobs: list[float], stop_ids: Sequence[int]
+) -> tuple[list[int], list[float], Literal["stop", "length"]]:
     """Cut a generated sequence after its first stop token (kept); finish reason "stop" or "length"."""
     stops = set(stop_ids)
     for i, t in enumerate(tokens):
@@ -27,20 +46,59 @@ def trim_at_stop(tokens: list[int], logprobs: list[float], stop_ids: Sequence[in
     return tokens, logprobs, "length"
 
 
-def check_weight_names(incoming: str, shape: torch.Size, params: dict[str, torch.Tensor], where: str) -> torch.Tensor:
-    """The parameter ``incoming`` refers to; a clear error naming the tensor when it is unknown or mis-shaped."""
-    if incoming not in params:
-        raise ValueError(f"{where}: refit tensor {incoming!r} is not a parameter of the generator's model")
-    target = params[incoming]
-    if tuple(target.shape) != tuple(shape):
-        raise ValueError(
-            f"{where}: refit tensor {incoming!r} has shape {list(shape)}, the model expects {list(target.shape)}"
-        )
-    return target
+@dataclass(frozen=True)
+class WeightSpec:
+    """The Hugging Face tensors a refit must deliver: name -> shape.
+
+    Attributes:
+        required: every parameter, tied ones once (``named_parameters`` of the transformers model).
+        optional: the other entries of its state dict (a tied model's ``lm_head.weight``, persistent buffers).
+        where: who checks (the start of every error message).
+    """
+
+    required: Mapping[str, tuple[int, ...]]
+    optional: Mapping[str, tuple[int, ...]]
+    where: str
+
+    @classmethod
+    def of_model(cls, model: torch.nn.Module, where: str) -> WeightSpec:
+        """The spec of a transformers model (real or on the meta device)."""
+        required = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        optional = {n: tuple(t.shape) for n, t in model.state_dict(keep_vars=True).items() if n not in required}
+        return cls(required, optional, where)
+
+    def checked(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Pass ``weights`` through, checking each tensor before it goes on.
+
+        Raises:
+            ValueError: before an unknown, repeated or mis-shaped tensor, and at the end of a stream that left
+                out a required one.
+        """
+        missing = set(self.required)
+        seen: set[str] = set()
+        for name, tensor in weights:
+            shape = self.required.get(name, self.optional.get(name))
+            if shape is None:
+                raise ValueError(f"{self.where}: refit tensor {name!r} is not a parameter of the generator's model")
+            if name in seen:
+                # vLLM would load it into an already processed (repacked) layer.
+                raise ValueError(f"{self.where}: refit tensor {name!r} arrived twice")
+            seen.add(name)
+            if tuple(tensor.shape) != shape:
+                got, want = list(tensor.shape), list(shape)
+                raise ValueError(f"{self.where}: refit tensor {name!r} has shape {got}, the model expects {want}")
+            missing.discard(name)
+            yield name, tensor
+        if missing:
+            first = sorted(missing)[:3]
+            raise ValueError(f"{self.where}: the refit left out {len(missing)} tensor(s) of the model, e.g. {first}")
 
 
 class HFGenerator:
-    """Samples with ``model.generate`` and reports each sampled token's log-prob.
+    """Samples with ``model.generate`` and reports each sampled token's log-prob (conventions: module docstring).
+
+    Sampling draws from one ``torch.Generator`` per :meth:`generate` call, seeded with ``sampling.seed``:
+    the same call (same prompts, ``n`` and ``batch_size``) gives the same rollouts.
 
     Args:
         model_dir: Hugging Face folder (config, safetensors, tokenizer).
@@ -59,6 +117,8 @@ class HFGenerator:
     ) -> None:
         from transformers import AutoModelForCausalLM
 
+        if dtype not in _DTYPES:
+            raise ValueError(f"HFGenerator: dtype={dtype!r}, expected one of {sorted(_DTYPES)}")
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
@@ -68,13 +128,16 @@ class HFGenerator:
         self.pad_id = self.model.config.pad_token_id
         if self.pad_id is None:
             self.pad_id = 0
-        self._params = dict(self.model.named_parameters())
+        self.spec = WeightSpec.of_model(self.model, "HFGenerator")
+        self._refit_error: str | None = None
 
     @torch.no_grad()
     def generate(
         self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingParams
     ) -> list[list[Rollout]]:
         """``n`` rollouts per prompt; rollouts of one prompt are adjacent in the batch (result[i][j])."""
+        if self._refit_error is not None:
+            raise RuntimeError(f"HFGenerator: the last refit failed ({self._refit_error}); refit all weights first")
         flat = [list(p) for p in prompt_token_ids for _ in range(n)]
         gen = torch.Generator(device=self.device)
         if sampling.seed is not None:
@@ -93,7 +156,7 @@ class HFGenerator:
         for i, p in enumerate(prompts):
             ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
             attn[i, width - len(p) :] = 1
-        stops = list(sp.stop_token_ids)
+        stops = [] if sp.ignore_eos else list(sp.stop_token_ids)
         logps: list[torch.Tensor] = []
 
         class _Sampler(LogitsProcessor):
@@ -102,14 +165,13 @@ class HFGenerator:
             def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
                 greedy = sp.temperature == 0
                 logp = torch.log_softmax(scores.float() / (1.0 if greedy else sp.temperature), dim=-1)  # [B, V]
-                filtered = logp if greedy else _top_k_top_p(logp, sp.top_k, sp.top_p)
-                if sp.ignore_eos and stops:
-                    filtered[:, stops] = float("-inf")
                 if greedy:
-                    nxt = filtered.argmax(-1, keepdim=True)  # [B, 1]
+                    nxt = logp.argmax(-1, keepdim=True)  # [B, 1]
+                    logps.append(logp.gather(-1, nxt).squeeze(-1))
                 else:
-                    nxt = torch.multinomial(filtered.softmax(-1), 1, generator=gen)  # [B, 1]
-                logps.append(filtered.log_softmax(-1).gather(-1, nxt).squeeze(-1))
+                    kept = _top_k_top_p(logp, sp.top_k, sp.top_p).log_softmax(-1)  # renormalised over kept tokens
+                    nxt = torch.multinomial(kept.exp(), 1, generator=gen)  # [B, 1]
+                    logps.append(kept.gather(-1, nxt).squeeze(-1))
                 forced = torch.full_like(scores, float("-inf"))
                 return forced.scatter_(-1, nxt, 0.0)
 
@@ -118,8 +180,8 @@ class HFGenerator:
             attention_mask=attn.to(self.device),
             do_sample=False,
             max_new_tokens=sp.max_tokens,
-            min_new_tokens=sp.max_tokens if sp.ignore_eos else 0,
-            eos_token_id=None if sp.ignore_eos else (stops or None),
+            # None (no stop tokens) really means none here: the model's own EOS must not stop a rollout.
+            eos_token_id=stops or None,
             pad_token_id=self.pad_id,
             logits_processor=LogitsProcessorList([_Sampler()]),
             num_beams=1,
@@ -127,47 +189,57 @@ class HFGenerator:
             top_p=None,
             temperature=None,
         )
-        new = seqs[:, width:].cpu()
+        new = seqs[:, width:].cpu()  # [B, steps]; rows that stopped early are padded after their stop token
         lp = torch.stack(logps, dim=1).cpu() if logps else torch.zeros((len(prompts), 0))
         rollouts = []
         for i in range(len(prompts)):
             toks, lps, reason = trim_at_stop(new[i].tolist(), lp[i, : new.shape[1]].tolist(), stops)
-            if sp.ignore_eos:
-                reason = "length"
             rollouts.append(Rollout(token_ids=toks, logprobs=lps, finish_reason=reason))
         return rollouts
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy new weights in place; an unknown or mis-shaped name raises a ValueError naming the tensor."""
+        """Copy new weights in place, tensor by tensor (checks and errors: module docstring)."""
+        # Looked up per refit: moving the model between devices replaces buffer objects (parameters stay).
+        # A tied alias (lm_head.weight) is the embedding's own tensor.
+        targets = self.model.state_dict(keep_vars=True)
+        self._refit_error = "in progress"
         with torch.no_grad():
-            for name, tensor in weights:
-                target = check_weight_names(name, tensor.shape, self._params, "HFGenerator")
-                target.copy_(tensor.to(target.device, target.dtype))
+            try:
+                for name, tensor in self.spec.checked(weights):
+                    target = targets[name]
+                    target.copy_(tensor.to(target.device, target.dtype))
+            except Exception as err:
+                self._refit_error = str(err)
+                raise
+        self._refit_error = None
 
     def sleep(self) -> None:
-        """Move the weights to CPU (frees accelerator memory; a no-op on CPU)."""
+        """Move the weights to CPU: frees accelerator memory (there is no KV cache to drop); a no-op on CPU."""
         self.model.to("cpu")
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
-        """Move the weights back to the generator's device (there is no KV cache to re-allocate)."""
+        """Move the weights back to the generator's device (for any ``tags``: the weights are all there is)."""
         self.model.to(self.device)
 
     def shutdown(self) -> None:
-        """Drop the model."""
-        self._params = {}
+        """Drop the model; the generator cannot be used afterwards."""
         self.model = None
 
 
 def _top_k_top_p(logp: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask (to -inf) tokens outside the top-k and the top-p nucleus; [B, V] -> [B, V]."""
+    """Mask (to -inf) tokens outside the top-k and the top-p nucleus; [B, V] -> [B, V].
+
+    Top-k first, then the smallest set of most likely remaining tokens whose mass reaches ``top_p``
+    (vLLM's order and rule).
+    """
     out = logp.clone()
-    if top_k is not None and top_k > 0 and top_k < out.shape[-1]:
+    if top_k is not None and 0 < top_k < out.shape[-1]:
         kth = torch.topk(out, top_k, dim=-1).values[:, -1:]
         out[out < kth] = float("-inf")
     if top_p < 1.0:
         sorted_lp, order = torch.sort(out, dim=-1, descending=True)
-        cum = sorted_lp.softmax(-1).cumsum(-1)
-        drop = cum - sorted_lp.softmax(-1) > top_p  # keep the smallest prefix whose mass reaches top_p
+        probs = sorted_lp.softmax(-1)
+        drop = probs.cumsum(-1) - probs >= top_p  # the more likely tokens already reach top_p
         sorted_lp[drop] = float("-inf")
         out = torch.full_like(out, float("-inf")).scatter(-1, order, sorted_lp)
     return out

