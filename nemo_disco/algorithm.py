@@ -282,6 +282,11 @@ def _gather_objects(obj: list, policy: Policy) -> list:
     return [x for p in parts for x in p]
 
 
+def _rank_seed(seed: int, tr: Trainer) -> int:
+    """The sampling seed of this data-parallel rank: ranks draw independent streams (one per TP/PP group)."""
+    return (seed + 1_000_033 * tr.policy.dp_rank) % (2**31)
+
+
 def collect_rollouts(tr: Trainer, question_ids: list[int], seed: int) -> tuple[list[dict], dict[str, float]]:
     """Generate and grade ``rollouts_per_prompt`` responses for each question; identical result on every rank.
 
@@ -295,7 +300,8 @@ def collect_rollouts(tr: Trainer, question_ids: list[int], seed: int) -> tuple[l
     g = cfg.algorithm.rollouts_per_prompt
     local = question_ids[_dp_slice(len(question_ids), tr.policy)]
     with timer("generate"):
-        rollouts = tr.generator.generate([tr.prompt_ids[q] for q in local], g, _sampling(cfg, tr.tokenizer, seed))
+        sampling = _sampling(cfg, tr.tokenizer, _rank_seed(seed, tr))
+        rollouts = tr.generator.generate([tr.prompt_ids[q] for q in local], g, sampling)
     texts = [tr.tokenizer.decode(r.token_ids, skip_special_tokens=True) for rs in rollouts for r in rs]
     truths = [tr.problems[q].answer for q in local for _ in range(g)]
     with timer("grade"):
@@ -364,6 +370,8 @@ def generation_phase(tr: Trainer, timer: Timer) -> Iterator[None]:
     finally:
         if colocated:
             tr.generator.sleep()
+            if getattr(tr.generator, "sleep_level", 1) >= 2:  # level 2 drops the weights: the next wake needs a refit
+                tr.generator_stale = True
             tr.policy.onload()
 
 
@@ -534,7 +542,7 @@ def validate(tr: Trainer, problems: list, prompt_ids: list[list[int]], samples: 
     """pass@1 over ``samples`` samples per problem (each DP rank a share; identical result on every rank)."""
     g = tr.cfg.generation
     share = list(range(len(problems)))[tr.policy.dp_rank :: tr.policy.dp_size]
-    sampling = _sampling(tr.cfg, tr.tokenizer, seed)
+    sampling = _sampling(tr.cfg, tr.tokenizer, _rank_seed(seed, tr))
     sampling = SamplingParams(**{**sampling.__dict__, "top_p": g.top_p})
     with generation_phase(tr, Timer()):
         rollouts = tr.generator.generate([prompt_ids[i] for i in share], samples, sampling)
