@@ -73,10 +73,18 @@ def _weights(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("loss", ["disco", "grpo"])
-def test_three_steps_metrics_finite_and_parameters_change(tmp_path, loss):
+DAPO_DATA_SIDE = [
+    "loss.clip_eps_high=0.28",
+    "algorithm.dynamic_sampling=true",
+    "algorithm.max_sampling_rounds=2",
+    "algorithm.overlong_buffer_tokens=4",
+]
+
+
+@pytest.mark.parametrize(("loss", "extra"), [("disco", []), ("grpo", []), ("dapo", DAPO_DATA_SIDE)])
+def test_three_steps_metrics_finite_and_parameters_change(tmp_path, loss, extra):
     run = tmp_path / loss
-    res = _train(run, "algorithm.steps=3", f"loss.name={loss}", "checkpoint.save_every=3")
+    res = _train(run, "algorithm.steps=3", f"loss.name={loss}", "checkpoint.save_every=3", *extra)
     assert res.returncode == 0, res.stderr[-3000:]
     records = _metrics(run)
     assert [r["step"] for r in records] == [1, 2, 3]
@@ -84,7 +92,8 @@ def test_three_steps_metrics_finite_and_parameters_change(tmp_path, loss):
         for key in REQUIRED:
             assert key in r, key
             assert r[key] is not None and math.isfinite(r[key]), (key, r[key])
-        assert 0.0 <= r["train/reward_mean"] <= 1.0
+        # Overlong shaping subtracts up to overlong_penalty (1.0) from a {0, 1} reward.
+        assert (-1.0 if extra else 0.0) <= r["train/reward_mean"] <= 1.0
         assert r["timing/generate"] + r["timing/train"] <= r["timing/step"] + 1e-6
         # Transformers generator and policy, both fp32: the rollout/training mismatch is ~0.
         assert r["mismatch/max_abs_logprob_diff"] < 1e-3
@@ -94,6 +103,29 @@ def test_three_steps_metrics_finite_and_parameters_change(tmp_path, loss):
     assert len(changed) >= len(init) // 2, "most parameter tensors should move"
     saved = (run / "checkpoints" / "step_3" / "config.yaml").read_text()
     assert f"name: {loss}" in saved
+    if extra:  # dynamic sampling ran (1 or 2 rounds); overlong shaping penalised long responses
+        assert all(r["train/sampling_rounds"] in (1.0, 2.0) for r in records)
+        assert any(r["train/reward_mean"] < 0 for r in records)
+
+
+def test_plot_overlays_runs(tmp_path):
+    """`nemo-disco plot` writes one PNG with several runs overlaid; a run without metrics is one clear line."""
+    import shutil
+
+    for name, shift in (("a", 0.0), ("b", 0.1)):
+        d = tmp_path / name
+        d.mkdir()
+        lines = [{"step": s, "train/reward_mean": 0.2 + shift + 0.01 * s, "train/kl": 1e-5} for s in range(1, 6)]
+        (d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "both.png"
+    cmd = [sys.executable, "-m", "nemo_disco.cli", "plot", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    shutil.rmtree(tmp_path / "b")
+    (tmp_path / "b").mkdir()
+    bad = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert bad.returncode == 2 and "no metrics.jsonl records" in bad.stderr and bad.stderr.count("\n") == 1
 
 
 def test_sigkill_at_a_random_step_then_resume_is_bit_exact(tmp_path):
