@@ -36,6 +36,7 @@ lint: setup
 	$(BIN)/ruff format --check .
 
 bench: setup
+	$(BIN)/python -m pip install -q -e '.[cpu,test,bench]'
 	$(BIN)/python benchmarks/run_all.py
 
 clean:
