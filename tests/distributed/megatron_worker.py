@@ -345,7 +345,6 @@ def scenario_gpu(args: argparse.Namespace, world: int, rank: int) -> dict:
 def launch(scenario: str, models: list[Path], out: Path, nproc: int, timeout: int = 300, **flags: object) -> list[dict]:
     """Run this worker (torchrun with ``nproc`` processes, or plain python for ``nproc=0``); per-rank results."""
     import socket
-    import subprocess
     import sys
 
     root = Path(__file__).resolve().parents[2]
@@ -363,7 +362,10 @@ def launch(scenario: str, models: list[Path], out: Path, nproc: int, timeout: in
         cmd += [__file__, *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)
-    proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=timeout)
+    sys.path.insert(0, str(root / "tests"))
+    from procs import run_group
+
+    proc = run_group(cmd, env=env, cwd=root, timeout=timeout)
     if proc.returncode:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(max(nproc, 1))]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from procs import run_group
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,7 +44,7 @@ def _torchrun(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
     cmd = [str(TORCHRUN), "--nproc-per-node", "2", "--master-port", str(_free_port()), "-m", "nemo_disco.cli"]
     cmd += ["train", "--config", str(RECIPE), f"logging.run_dir={run_dir}", *SMALL, *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
+    return run_group(cmd, cwd=ROOT, env=env, timeout=900)
 
 
 def _check_metrics(run_dir: Path) -> list[dict]:
