@@ -39,7 +39,8 @@ def _worker(rank: int, port: int, queue) -> None:  # noqa: ANN001
         entropy=True,
     )
     (w_lp * lp + w_ent * ent).sum().backward()
-    queue.put((rank, lp.detach(), ent.detach(), shard.grad))
+    # numpy arrays travel by value; a tensor would travel as a shared-memory handle that dies with this process
+    queue.put((rank, lp.detach().numpy(), ent.detach().numpy(), shard.grad.numpy()))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -66,6 +67,7 @@ def test_vocab_parallel_equals_full_vocabulary_softmax():
     ref_lp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     ref_ent = -(logp.exp() * logp).sum(-1)
     (w_lp * ref_lp + w_ent * ref_ent).sum().backward()
+    got = [(rank, *(torch.from_numpy(a) for a in arrays)) for rank, *arrays in got]
     for rank, lp, ent, grad in got:
         torch.testing.assert_close(lp.double(), ref_lp.detach(), atol=1e-6, rtol=0)
         torch.testing.assert_close(ent.double(), ref_ent.detach(), atol=1e-6, rtol=0)
