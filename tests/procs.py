@@ -1,11 +1,35 @@
-"""Run a multi-process command (torchrun and its workers) so that a timeout kills every process it started."""
+"""Helpers for tests that launch trainer processes: the shrunk tiny recipe, ports, and process-group runs."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 from collections.abc import Sequence
+
+# recipes/tiny-cpu.yaml shrunk for tests: 8 questions x 4 rollouts per step, 2 updates per step, a short
+# warm-up, no validation, no progress bar or TensorBoard. Callers add steps and checkpoint settings.
+FAST_TINY = [
+    "algorithm.prompts_per_step=8",
+    "algorithm.minibatch_prompts=4",
+    "algorithm.rollouts_per_prompt=4",
+    "algorithm.warmup_sft_steps=40",
+    "data.synthetic_size=200",
+    "data.val=null",
+    "data.val_every=0",
+    "logging.progress=false",
+    "logging.tensorboard=false",
+]
+# Same threads in every process of every run: a different count may change float summation order.
+THREADS = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for torchrun's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run_group(cmd: Sequence[str], *, timeout: float, **kwargs: object) -> subprocess.CompletedProcess:

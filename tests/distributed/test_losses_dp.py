@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import datetime
 import importlib.util
-import socket
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from procs import free_port
 
 from nemo_disco import losses
 
@@ -28,12 +28,6 @@ def _reference():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _check_all_losses(rank: int) -> int:
@@ -117,4 +111,4 @@ def _worker(rank: int, port: int) -> None:
 
 
 def test_data_parallel_gradient_equals_full_batch() -> None:
-    mp.spawn(_worker, args=(_free_port(),), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(),), nprocs=WORLD, join=True)

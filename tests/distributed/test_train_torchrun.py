@@ -5,45 +5,25 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from procs import run_group
+from procs import FAST_TINY, THREADS, free_port, run_group
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "tiny-cpu.yaml"
 TORCHRUN = Path(sys.executable).with_name("torchrun")
-SMALL = [
-    "algorithm.steps=3",
-    "algorithm.prompts_per_step=8",
-    "algorithm.minibatch_prompts=4",
-    "algorithm.rollouts_per_prompt=4",
-    "algorithm.warmup_sft_steps=40",
-    "data.synthetic_size=200",
-    "data.val=null",
-    "data.val_every=0",
-    "logging.progress=false",
-    "logging.tensorboard=false",
-    "checkpoint.save_every=3",
-    "cluster.gpus_per_node=2",
-]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+SMALL = [*FAST_TINY, "algorithm.steps=3", "checkpoint.save_every=3", "cluster.gpus_per_node=2"]
 
 
 def _torchrun(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
-    cmd = [str(TORCHRUN), "--nproc-per-node", "2", "--master-port", str(_free_port()), "-m", "nemo_disco.cli"]
+    cmd = [str(TORCHRUN), "--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "nemo_disco.cli"]
     cmd += ["train", "--config", str(RECIPE), f"logging.run_dir={run_dir}", *SMALL, *overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, **THREADS}
     return run_group(cmd, cwd=ROOT, env=env, timeout=900)
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from procs import FAST_TINY, THREADS
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,28 +34,16 @@ REQUIRED = (
     "mismatch/kl_k3",
     "mismatch/max_abs_logprob_diff",
 )
-# Small and fast: 8 questions x 4 rollouts per step, 2 updates per step, short warm-up, no validation.
-FAST = [
-    "algorithm.prompts_per_step=8",
-    "algorithm.minibatch_prompts=4",
-    "algorithm.rollouts_per_prompt=4",
-    "algorithm.warmup_sft_steps=40",
-    "data.synthetic_size=200",
-    "data.val=null",
-    "data.val_every=0",
-    "logging.progress=false",
-    "logging.tensorboard=false",
-]
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    return {**os.environ, **THREADS, "PYTHONUNBUFFERED": "1"}
 
 
 def _train(run_dir: Path, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "nemo_disco.cli", "train", "--config", str(RECIPE), f"logging.run_dir={run_dir}"]
     return subprocess.run(
-        cmd + FAST + list(overrides), capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=timeout
+        cmd + FAST_TINY + list(overrides), capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=timeout
     )
 
 
@@ -139,7 +128,7 @@ def test_sigkill_at_a_random_step_then_resume_is_bit_exact(tmp_path):
     kill_after = random.Random(os.getpid()).randint(1, 3)
     cmd = [sys.executable, "-m", "nemo_disco.cli", "train", "--config", str(RECIPE), f"logging.run_dir={run}"]
     proc = subprocess.Popen(
-        cmd + FAST + steps, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        cmd + FAST_TINY + steps, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     deadline = time.time() + 600
     while time.time() < deadline:
@@ -159,7 +148,9 @@ def test_sigterm_saves_a_checkpoint_and_the_run_resumes(tmp_path):
     run = tmp_path / "term"
     steps = ["algorithm.steps=4", "checkpoint.save_every=0"]
     cmd = [sys.executable, "-m", "nemo_disco.cli", "train", "--config", str(RECIPE), f"logging.run_dir={run}"]
-    proc = subprocess.Popen(cmd + FAST + steps, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        cmd + FAST_TINY + steps, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     deadline = time.time() + 600
     while time.time() < deadline and not ((run / "metrics.jsonl").is_file() and _metrics(run)):
         time.sleep(0.2)
@@ -177,7 +168,7 @@ def test_sigusr1_exits_with_the_requeue_code(tmp_path):
     run = tmp_path / "usr1"
     cmd = [sys.executable, "-m", "nemo_disco.cli", "train", "--config", str(RECIPE), f"logging.run_dir={run}"]
     proc = subprocess.Popen(
-        cmd + FAST + ["algorithm.steps=50"], cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        cmd + FAST_TINY + ["algorithm.steps=50"], cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
     deadline = time.time() + 600
     while time.time() < deadline and not (run / "metrics.jsonl").is_file():

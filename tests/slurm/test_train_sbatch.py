@@ -14,13 +14,13 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from procs import FAST_TINY, THREADS, free_port
 
 pytestmark = pytest.mark.slurm
 
@@ -32,22 +32,7 @@ RECIPE = ROOT / "recipes" / "tiny-cpu.yaml"
 STEPS = 8
 # Small and fast: 8 questions x 4 rollouts per step, 2 updates per step, short warm-up, no validation; a checkpoint
 # only at the end (and on a signal).
-TINY = [
-    f"algorithm.steps={STEPS}",
-    "algorithm.prompts_per_step=8",
-    "algorithm.minibatch_prompts=4",
-    "algorithm.rollouts_per_prompt=4",
-    "algorithm.warmup_sft_steps=40",
-    "data.synthetic_size=200",
-    "data.val=null",
-    "data.val_every=0",
-    "logging.progress=false",
-    "logging.tensorboard=false",
-    "checkpoint.save_every=0",
-    "checkpoint.keep_last=3",
-]
-# Same threads in every process of every run: a different count may change float summation order.
-THREADS = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+TINY = [*FAST_TINY, f"algorithm.steps={STEPS}", "checkpoint.save_every=0", "checkpoint.keep_last=3"]
 
 
 def _trainer_missing() -> str | None:
@@ -122,9 +107,7 @@ def test_two_nodes_complete_and_match_torchrun_on_one_node(two_node_run, tmp_pat
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
 
     # The same recipe, seed and world size 2 under torchrun on this machine (one node, two processes).
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ref = tmp_path / "torchrun"
     torchrun = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node=2", f"--master-port={port}"]
     cmd = [*torchrun, "-m", "nemo_disco.cli", "train", "--config", str(RECIPE), f"logging.run_dir={ref}", *TINY]
