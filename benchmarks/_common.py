@@ -313,51 +313,6 @@ class FixedLengthGenerator:
         return getattr(self.inner, name)
 
 
-class NestedTimer:
-    """``metrics.Timer``'s interface with nested phases timed correctly (a stack of open phases)."""
-
-    def __init__(self) -> None:
-        self.totals: dict[str, float] = {}
-        self._pending: str | None = None
-        self._open: list[tuple[str, float]] = []
-
-    def __call__(self, name: str) -> NestedTimer:
-        self._pending = name
-        return self
-
-    def __enter__(self) -> NestedTimer:
-        assert self._pending is not None
-        self._open.append((self._pending, time.perf_counter()))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        name, start = self._open.pop()
-        self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - start
-
-    def metrics(self) -> dict[str, float]:
-        return {f"timing/{k}": v for k, v in self.totals.items()}
-
-
-def ensure_nested_timer() -> bool:
-    """Make the trainer's phase timer handle nesting (``step`` encloses the other phases); True if patched.
-
-    ``metrics.Timer`` keeps one open phase, so an inner phase overwrites the outer one's start and name:
-    ``timing/step`` goes missing and the last inner phase is counted twice. Where that is so, the trainer's
-    module-level ``Timer`` is replaced by :class:`NestedTimer` for the benchmark run only.
-    """
-    from nemo_disco import algorithm
-    from nemo_disco.metrics import Timer
-
-    probe = Timer()
-    with probe("outer"):
-        with probe("inner"):
-            pass
-    if "timing/outer" in probe.metrics():
-        return False
-    algorithm.Timer = NestedTimer
-    return True
-
-
 def nd_steps(cfg: Any, steps: int, warmup: int, *, fixed_length: bool, profile: Path | None = None) -> dict[str, Any]:
     """Run ``warmup + steps`` training steps of nemo_disco (setup, train_step, logging: as ``algorithm.train``).
 
@@ -370,12 +325,10 @@ def nd_steps(cfg: Any, steps: int, warmup: int, *, fixed_length: bool, profile: 
 
     Returns:
         setup seconds, the per-step metrics of the measured steps, each step's wall interval (end to end,
-        logging included), the completion tokens each step generated, and whether the phase timer had to be
-        patched (:func:`ensure_nested_timer`).
+        logging included) and the completion tokens each step generated.
     """
     from nemo_disco import algorithm
 
-    patched = ensure_nested_timer()
     t0 = time.perf_counter()
     tr = algorithm.setup(cfg)
     setup_s = time.perf_counter() - t0
@@ -413,7 +366,6 @@ def nd_steps(cfg: Any, steps: int, warmup: int, *, fixed_length: bool, profile: 
         "metrics": records,
         "wall_s": walls,
         "completion_tokens": tokens,
-        "timer_patched": patched,
     }
 
 

@@ -30,7 +30,6 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     """Set up the tiny recipe, then measure two steps' peak RSS."""
     from nemo_disco import algorithm
 
-    C.ensure_nested_timer()
     start_rss = C.rss_mb()
     with tempfile.TemporaryDirectory(prefix="bench_memory_") as tmp:
         cfg = C.load_config(Path(tmp), [f"policy.model_path={args.model_dir}", *args.override])

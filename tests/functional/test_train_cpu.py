@@ -146,7 +146,9 @@ def test_sigkill_at_a_random_step_then_resume_is_bit_exact(tmp_path):
 
 def test_sigterm_saves_a_checkpoint_and_the_run_resumes(tmp_path):
     run = tmp_path / "term"
-    steps = ["algorithm.steps=4", "checkpoint.save_every=0"]
+    # Enough steps that the run cannot finish between its first metrics line and the signal (a 4-step run could).
+    total = 20
+    steps = [f"algorithm.steps={total}", "checkpoint.save_every=0"]
     cmd = [sys.executable, "-m", "nemo_disco.cli", "train", "--config", str(RECIPE), f"logging.run_dir={run}"]
     proc = subprocess.Popen(
         cmd + FAST_TINY + steps, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE
@@ -158,10 +160,10 @@ def test_sigterm_saves_a_checkpoint_and_the_run_resumes(tmp_path):
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err.decode()[-3000:]
     saved = sorted(int(p.name.split("_")[1]) for p in (run / "checkpoints").glob("step_*"))
-    assert len(saved) == 1 and saved[0] < 4
+    assert len(saved) == 1 and saved[0] < total
     res = _train(run, *steps)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert [r["step"] for r in _metrics(run)] == [1, 2, 3, 4]
+    assert [r["step"] for r in _metrics(run)] == list(range(1, total + 1))
 
 
 def test_sigusr1_exits_with_the_requeue_code(tmp_path):
