@@ -102,7 +102,8 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log(metrics, step=step)
         if self._bar is not None:
-            self._bar.update(1)
+            # The bar counts training steps: a record for step 0 (validation before training) does not advance it.
+            self._bar.update(max(0, step - self._bar.n))
             self._bar.set_postfix(
                 reward=f"{metrics.get('train/reward_mean', float('nan')):.3f}",
                 kl=f"{metrics.get('train/kl', float('nan')):.1e}",
