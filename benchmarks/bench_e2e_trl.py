@@ -8,7 +8,9 @@ from one micro-batch of all 128 rollouts, the same sampling (temperature 1, no t
 reference model, and the same reward (nemo_disco's math grader pool). Generation is forced to exactly
 ``max tokens``: nemo_disco with ``SamplingParams.ignore_eos`` (the generator is wrapped), TRL with
 ``generation_kwargs={"min_new_tokens": max}`` (transformers masks EOS until the budget is reached). Each
-completion length measured is reported, so a run that stopped early would show.
+completion length measured is reported, so a run that stopped early would show. Each side samples with its
+own code: nemo_disco's transformers generator with its KV-cached decode loop (``generation/kv_decode.py``),
+TRL with transformers' ``generate``; both on the same model in float32 on the CPU.
 
 Runs alternate in one process tree (a fresh child process per run: nd-grpo, nd-disco, trl, nd-grpo, ...),
 so slow phases of a shared machine hit every framework alike; the figures are medians over rounds, the
