@@ -138,7 +138,7 @@ def build_generator(cfg: RunConfig, model_dir: Path) -> Generator:
     if g.backend == "hf":
         from nemo_disco.generation.hf import HFGenerator
 
-        return HFGenerator(model_dir, dtype=cfg.policy.dtype, batch_size=g.hf_batch_size)
+        return HFGenerator(model_dir, dtype=cfg.policy.dtype, batch_size=g.hf_batch_size, decode=g.hf_decode)
     from nemo_disco.generation.vllm import VLLMGenerator
 
     return VLLMGenerator(

@@ -96,8 +96,11 @@ class GenerationConfig(_Section):
     max_num_batched_tokens: int | None = Field(None, ge=1)
     sleep_level: Literal[0, 1, 2] = 1
     refit_bucket_mb: int = Field(512, ge=1)
-    # Generator batch for the transformers backend (sequences per generate call).
+    # Generator batch for the transformers backend (sequences decoded together).
     hf_batch_size: int = Field(64, ge=1)
+    # Transformers backend decoding: "auto" = the KV-cached loop (generation/kv_decode.py) for Qwen2 / Llama,
+    # transformers' generate() otherwise; "generate" = always generate().
+    hf_decode: Literal["auto", "generate"] = "auto"
 
 
 class DataConfig(_Section):

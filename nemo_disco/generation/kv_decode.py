@@ -69,6 +69,8 @@ def sample(
 
     Every row is sampled at every step until all rows have produced a stop token (as ``generate`` does, so a
     seeded ``pick`` draws the same random stream); a row's tokens after its first stop token are ``pad_id``.
+    The KV cache is allocated once for ``P + max_tokens`` positions (the size ``generate``'s cache reaches
+    when a row runs to ``max_tokens``).
 
     Args:
         model: a model for which :func:`supports` is True, in eval mode.
@@ -87,7 +89,7 @@ def sample(
     batch, prompt_len = input_ids.shape
     device = input_ids.device
     if max_tokens < 1:
-        return torch.zeros((batch, 0), dtype=torch.long), torch.zeros((batch, 0), dtype=torch.float32)
+        return torch.zeros((batch, 0), dtype=torch.long, device=device), torch.zeros((batch, 0), device=device)
     valid = torch.zeros(batch, prompt_len + max_tokens, dtype=torch.bool, device=device)
     valid[:, :prompt_len] = attention_mask.bool()
     # Positions as generate() numbers them: the first real token of a left-padded prompt is position 0.

@@ -102,3 +102,15 @@ def test_padding_queries_stay_finite_and_padding_keys_are_ignored(tiny_qwen2):
     assert padded.token_ids == alone.token_ids
     assert all(torch.isfinite(torch.tensor(padded.logprobs)))
     assert torch.allclose(torch.tensor(padded.logprobs), torch.tensor(alone.logprobs), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(("choice", "path"), [("auto", "kv"), ("generate", "generate")])
+def test_the_recipe_key_chooses_the_decoder(choice, path, tiny_qwen2, tmp_path):
+    from pathlib import Path
+
+    from nemo_disco import config
+    from nemo_disco.algorithm import build_generator
+
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "tiny-cpu.yaml"
+    cfg = config.load(recipe, [f"generation.hf_decode={choice}", f"logging.run_dir={tmp_path}"])
+    assert build_generator(cfg, tiny_qwen2).decode_path == path
