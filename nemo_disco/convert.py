@@ -8,6 +8,10 @@
   ``policy/``) or a policy directory -> ``model.safetensors``, ``config.json``, tokenizer files and
   ``generation_config.json`` that ``transformers`` loads. Runs in one process (or collectively, every rank
   holding the full model at TP = PP = 1; rank 0 writes).
+
+Both build the local layer spec whatever the machine: conversion moves weights only, and a checkpoint of
+either spec loads into a model of either (``megatron.load_model_checkpoint``), so the result does not depend
+on whether Transformer Engine happens to import where the conversion runs (``slurm/convert.sbatch`` has no GPU).
 """
 
 from __future__ import annotations
@@ -17,9 +21,8 @@ import shutil
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-from nemo_disco import weights
+from nemo_disco import distributed, weights
 from nemo_disco.config import RunConfig, load_resolved
 from nemo_disco.policy import cpu_compat
 from nemo_disco.policy import megatron as mp
@@ -62,15 +65,14 @@ def hf_to_megatron(
     cpu_compat.apply()
     mp.init_parallel(tp, pp)
     padded = weights.padded_vocab_size(spec.vocab_size, tp, vocab_multiple)
-    use_te = mp.te_available()
-    config = mp.transformer_config(spec, tp=tp, pp=pp, dtype=mp._DTYPES[dtype], use_te=use_te, recompute=False)
-    model = mp.build_gpt_model(spec, config, padded, use_te)
+    config = mp.transformer_config(spec, tp=tp, pp=pp, dtype=mp._DTYPES[dtype], use_te=False, recompute=False)
+    model = mp.build_gpt_model(spec, config, padded, use_te=False)
     mp.load_hf_weights(model, hf_dir, spec, padded)
-    if dist.get_rank() == 0:
+    if distributed.rank() == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
+    distributed.barrier()
     mp.save_model_checkpoint(model, out_dir / "model")
-    if dist.get_rank() == 0:
+    if distributed.rank() == 0:
         meta = {
             "updates": 0,
             "tensor_parallel_size": tp,
@@ -79,9 +81,10 @@ def hf_to_megatron(
             "vocab_size": spec.vocab_size,
             "padded_vocab_size": padded,
             "vocab_multiple": vocab_multiple,
+            "layer_spec": "local",
         }
         mp.write_policy_files(out_dir, hf_dir, meta)
-    dist.barrier()
+    distributed.barrier()
     return out_dir
 
 
@@ -120,8 +123,8 @@ def megatron_to_hf(checkpoint_dir: str | Path, out_dir: str | Path, config: RunC
     dtype = mp._DTYPES[meta["dtype"]]
     cpu_compat.apply()
     mp.init_parallel(1, 1)
-    tf_config = mp.transformer_config(spec, tp=1, pp=1, dtype=dtype, use_te=mp.te_available(), recompute=False)
-    model = mp.build_gpt_model(spec, tf_config, int(meta["padded_vocab_size"]), mp.te_available())
+    tf_config = mp.transformer_config(spec, tp=1, pp=1, dtype=dtype, use_te=False, recompute=False)
+    model = mp.build_gpt_model(spec, tf_config, int(meta["padded_vocab_size"]), use_te=False)
     mp.load_model_checkpoint(model, policy_dir / "model")
     # Own contiguous copies: the q / k / v (and gate / up) views share storage, which safetensors refuses.
     state = {
@@ -129,7 +132,7 @@ def megatron_to_hf(checkpoint_dir: str | Path, out_dir: str | Path, config: RunC
         for name, t in weights.export_hf(dict(model.named_parameters()), spec)
     }
     out_dir = Path(out_dir)
-    if dist.get_rank() == 0:
+    if distributed.rank() == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
         save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
         hf_config = json.loads((policy_dir / "config.json").read_text())
@@ -142,7 +145,7 @@ def megatron_to_hf(checkpoint_dir: str | Path, out_dir: str | Path, config: RunC
         (out_dir / "generation_config.json").write_text(
             json.dumps(_generation_config(policy_dir, hf_config, config), indent=2) + "\n"
         )
-    dist.barrier()
+    distributed.barrier()
     return out_dir
 
 

@@ -1,13 +1,40 @@
-"""Process-group setup from torchrun or srun environments (SPMD: one process per GPU or CPU slot)."""
+"""Process groups and every collective of the package (SPMD: one process per GPU or CPU slot).
+
+No other module imports ``torch.distributed`` (``tests/unit/test_distributed.py`` enforces it). The reason is
+a rule that CPU tests cannot see: an NCCL group only takes tensors on its CUDA device, and a host tensor
+in an NCCL collective raises at the first multi-GPU step. Every helper here therefore hands the backend a
+tensor on the group's communication device (:func:`comm_device`) and gives the result back on the device
+the caller's tensor lives on; the in-place ones (:func:`all_reduce`, :func:`broadcast`) write back into the
+caller's tensor. Callers pass host or device tensors alike and never think about the backend.
+
+Groups: the default group is NCCL on CUDA machines and gloo on CPU ones; Megatron's model- and data-parallel
+groups follow the default backend. Object collectives (:func:`all_gather_object`, :func:`broadcast_object`)
+pickle through the group's device, which for NCCL is this process's GPU (selected by :func:`init`).
+
+GPU selection (:func:`cuda_device_index`): a node runs ``LOCAL_WORLD_SIZE`` processes. When each sees every
+GPU of the node, process ``LOCAL_RANK`` takes GPU ``LOCAL_RANK``; when the launcher binds one GPU per task
+(``srun --gpus-per-task=1``: each process sees exactly one), every process takes GPU 0 of its own view. Any
+other count is an error at start-up, not a silent ``LOCAL_RANK % count`` that would stack processes on one
+GPU. The trainer (Megatron) and the vLLM engine use the same index (:func:`vllm_device_env`).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+
+#: A process group (None: the default group). Other modules annotate with this instead of importing
+#: ``torch.distributed``.
+Group = Any
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
 @dataclass(frozen=True)
@@ -44,15 +71,108 @@ def read_env() -> DistEnv:
     return DistEnv(rank, world, local_rank, local_world, node_rank)
 
 
-def init(timeout_minutes: int = 30) -> DistEnv:
-    """Initialise the default process group (NCCL on GPU, gloo on CPU); a no-op for one process.
+# ----------------------------------------------------------------------------------------------------------------------
+# Devices
 
-    Under srun without torchrun, MASTER_ADDR / MASTER_PORT must be exported by the launcher
-    (slurm/train.sbatch does so from the first host of the allocation).
+
+def select_cuda_device(local_rank: int, local_world_size: int, device_count: int) -> int:
+    """The CUDA device index this process uses (see the module docstring).
+
+    Raises:
+        RuntimeError: no GPU is visible, or fewer GPUs than processes on this node (and more than one).
+    """
+    if device_count < 1:
+        raise RuntimeError("no CUDA device is visible to this process (CUDA_VISIBLE_DEVICES?)")
+    if device_count >= local_world_size:
+        return local_rank
+    if device_count == 1:  # one GPU bound to each task
+        return 0
+    raise RuntimeError(
+        f"{local_world_size} processes on this node but {device_count} visible GPUs: each process needs a GPU of "
+        f"its own (all GPUs visible to every process, or exactly one per process: srun --gpus-per-task=1); "
+        f"check CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')!r} and the tasks per node"
+    )
+
+
+def cuda_device_index() -> int:
+    """This process's CUDA device index (requires CUDA)."""
+    info = read_env()
+    return select_cuda_device(info.local_rank, info.local_world_size, torch.cuda.device_count())
+
+
+@contextlib.contextmanager
+def vllm_device_env() -> Iterator[None]:
+    """While a vLLM engine is built: ``LOCAL_RANK`` names the same GPU the trainer uses.
+
+    vLLM's external launcher puts its worker on ``cuda:$LOCAL_RANK``; with one GPU bound per task that index
+    is 0 whatever the task's local rank. Restored afterwards (the rank layout keeps reading the launcher's).
+    """
+    if not torch.cuda.is_available():
+        yield
+        return
+    before = os.environ.get("LOCAL_RANK")
+    os.environ["LOCAL_RANK"] = str(cuda_device_index())
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("LOCAL_RANK", None)
+        else:
+            os.environ["LOCAL_RANK"] = before
+
+
+def backend_devices(group: Group = None) -> dict[str, str]:
+    """Device type -> backend of ``group`` ("cuda" -> "nccl" for an NCCL group; "cpu" and "cuda" -> "gloo")."""
+    config = str(dist.get_backend_config(group))
+    if ":" not in config:  # a bare backend name
+        return {"cuda": config} if config == "nccl" else {"cpu": config, "cuda": config}
+    return dict(part.split(":", 1) for part in config.split(","))
+
+
+def comm_device_for(backends: dict[str, str], device: torch.device, cuda_index: int | None) -> torch.device:
+    """Where a tensor on ``device`` must travel for a group with ``backends`` (pure; see :func:`comm_device`).
+
+    Raises:
+        RuntimeError: the group has no backend for the tensor's device nor for CUDA.
+    """
+    if device.type in backends:
+        return device
+    if "cuda" in backends and cuda_index is not None:
+        return torch.device("cuda", cuda_index)
+    if "cpu" in backends:
+        return torch.device("cpu")
+    raise RuntimeError(f"process group with backends {backends} cannot communicate a tensor on {device}")
+
+
+def comm_device(group: Group = None, device: torch.device | str = "cpu") -> torch.device:
+    """The device a tensor on ``device`` must be on for ``group``'s backend (CUDA for NCCL, as is for gloo)."""
+    cuda_index = torch.cuda.current_device() if torch.cuda.is_available() else None
+    return comm_device_for(backend_devices(group), torch.device(device), cuda_index)
+
+
+def _on_comm(t: torch.Tensor, group: Group) -> torch.Tensor:
+    """``t`` itself when the backend takes it, else a contiguous copy on the group's device."""
+    dev = comm_device(group, t.device)
+    return t.contiguous() if dev == t.device else t.to(dev).contiguous()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Process groups
+
+
+def init(timeout_minutes: int = 30) -> DistEnv:
+    """Select this process's GPU and initialise the default group (NCCL on GPU, gloo on CPU).
+
+    A single process without a launcher gets no group (see :func:`init_single_process`). Under srun without
+    torchrun, MASTER_ADDR / MASTER_PORT must be exported by the launcher (slurm/train.sbatch does so from the
+    first host of the allocation).
+
+    Raises:
+        RuntimeError: the GPUs visible on this node do not fit its processes (see :func:`select_cuda_device`).
     """
     info = read_env()
     if torch.cuda.is_available():
-        torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(cuda_device_index())
     if info.world_size > 1 and not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
@@ -66,35 +186,124 @@ def init(timeout_minutes: int = 30) -> DistEnv:
     return info
 
 
-def world_size() -> int:
-    """Processes in the default group (1 when not distributed)."""
-    return dist.get_world_size() if dist.is_initialized() else 1
+def init_single_process(timeout_minutes: int = 30) -> None:
+    """A one-rank default group for code that needs one (Megatron) when no launcher started a job."""
+    if dist.is_initialized():
+        return
+    if torch.cuda.is_available():
+        torch.cuda.set_device(cuda_device_index())
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(
+        backend, store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(minutes=timeout_minutes)
+    )
 
 
-def rank() -> int:
-    """This process's rank in the default group (0 when not distributed)."""
-    return dist.get_rank() if dist.is_initialized() else 0
+def is_initialized() -> bool:
+    """Whether a default process group exists."""
+    return dist.is_initialized()
 
 
-def all_gather_rows(t: torch.Tensor, group: object | None = None) -> torch.Tensor:
-    """Concatenate equal-shaped [n, ...] tensors of every rank of ``group`` along dim 0 (rank order)."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+def world_size(group: Group = None) -> int:
+    """Processes in ``group`` (1 when not distributed)."""
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def rank(group: Group = None) -> int:
+    """This process's rank in ``group`` (0 when not distributed)."""
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+def global_rank(group: Group, group_rank: int) -> int:
+    """The default-group rank of ``group``'s rank ``group_rank``."""
+    return dist.get_global_rank(group, group_rank) if dist.is_initialized() else group_rank
+
+
+def _single(group: Group) -> bool:
+    """No process group: nothing to communicate.
+
+    A one-rank group still runs its collectives (cheap), so single-GPU runs exercise its backend's device rule.
+    """
+    return not dist.is_initialized()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Collectives (host or device tensors; see the module docstring)
+
+
+def all_reduce(t: torch.Tensor, op: Literal["sum", "max", "min"] = "sum", group: Group = None) -> torch.Tensor:
+    """Reduce ``t`` over ``group`` in place (on every rank) and return it."""
+    if _single(group):
         return t
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, t.contiguous(), group=group)
-    return torch.cat(parts, dim=0)
+    buf = _on_comm(t, group)
+    dist.all_reduce(buf, op=_OPS[op], group=group)
+    if buf is not t:
+        t.copy_(buf)
+    return t
 
 
-def broadcast_object(obj: object, src: int = 0) -> object:
-    """Send a picklable object from ``src`` to every rank."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def broadcast(t: torch.Tensor, src: int, group: Group = None) -> torch.Tensor:
+    """Overwrite ``t`` with the tensor of global rank ``src`` (in place on every rank of ``group``) and return it."""
+    if _single(group):
+        return t
+    buf = _on_comm(t, group)
+    dist.broadcast(buf, src=src, group=group)
+    if buf is not t:
+        t.copy_(buf)
+    return t
+
+
+def all_gather(t: torch.Tensor, group: Group = None) -> list[torch.Tensor]:
+    """Every rank's equal-shaped ``t`` in rank order (tensors on ``t``'s device)."""
+    if _single(group):
+        return [t]
+    buf = _on_comm(t, group)
+    parts = [torch.empty_like(buf) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, buf, group=group)
+    return [p if p.device == t.device else p.to(t.device) for p in parts]
+
+
+def all_gather_rows(t: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """Concatenate equal-shaped [n, ...] tensors of every rank of ``group`` along dim 0 (rank order)."""
+    if _single(group):
+        return t
+    return torch.cat(all_gather(t, group), dim=0)
+
+
+def any_rank(flag: bool, group: Group = None) -> bool:
+    """Whether ``flag`` is true on any rank of ``group``."""
+    return bool(all_reduce(torch.tensor([1.0 if flag else 0.0]), "max", group).item() > 0)
+
+
+def max_int(value: int, group: Group = None) -> int:
+    """The largest ``value`` over the ranks of ``group``."""
+    return int(all_reduce(torch.tensor([int(value)], dtype=torch.int64), "max", group).item())
+
+
+def sum_floats(values: Sequence[float], group: Group = None) -> list[float]:
+    """Element-wise sums of ``values`` over the ranks of ``group`` (float64)."""
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64)
+    return [float(x) for x in all_reduce(t, "sum", group)]
+
+
+def all_gather_object(obj: object, group: Group = None) -> list:
+    """Every rank's picklable ``obj`` in rank order."""
+    if _single(group):
+        return [obj]
+    parts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, obj, group=group)
+    return parts
+
+
+def broadcast_object(obj: object, src: int = 0, group: Group = None) -> object:
+    """Send a picklable object from global rank ``src`` to every rank of ``group``."""
+    if _single(group):
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
 
 
-def barrier() -> None:
-    """Wait for every rank (no-op for one process)."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+def barrier(group: Group = None) -> None:
+    """Wait for every rank of ``group`` (no-op for one process)."""
+    if not _single(group):
+        dist.barrier(group=group)

@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
+
+from nemo_disco import distributed
 
 REPLICATED, ROW, VOCAB, QKV, GATE_UP = "replicated", "row", "vocab", "qkv", "gate_up"
 
@@ -439,16 +440,16 @@ def _copy_shard(
 # Export: this rank's Megatron parameters -> full HF tensors on every rank, streamed.
 
 
-def _group_size(group: dist.ProcessGroup | None) -> int:
-    return dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+def _group_size(group: distributed.Group) -> int:
+    return distributed.world_size(group) if group is not None else 1
 
 
 def export_hf(
     params: Mapping[str, torch.Tensor],
     spec: ModelSpec,
     *,
-    tp_group: dist.ProcessGroup | None = None,
-    pp_group: dist.ProcessGroup | None = None,
+    tp_group: distributed.Group = None,
+    pp_group: distributed.Group = None,
     bucket_bytes: int = 512 * 2**20,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream (HF name, full tensor) for the whole model on every rank of the TP x PP group (collective).
@@ -469,7 +470,7 @@ def export_hf(
         bucket_bytes: upper bound of one broadcast bucket (a larger tensor travels alone).
     """
     tp_size, pp_size = _group_size(tp_group), _group_size(pp_group)
-    pp_rank = dist.get_rank(pp_group) if pp_size > 1 else 0
+    pp_rank = distributed.rank(pp_group) if pp_size > 1 else 0
     sample = next(iter(params.values()))
     dtype, device = sample.dtype, sample.device
     plan = placements(spec, pp_size)
@@ -490,12 +491,12 @@ def export_hf(
         if pp_rank == owner:
             tensors = [t for place in bucket for t in _gather_full(params, place, spec, tp_group, tp_size)]
         if pp_size > 1:
-            src = dist.get_global_rank(pp_group, owner)
+            src = distributed.global_rank(pp_group, owner)
             if pp_rank == owner:
                 flat = torch.cat([t.reshape(-1) for t in tensors])
             else:
                 flat = torch.empty(sum(math.prod(s) for s in shapes), dtype=dtype, device=device)
-            dist.broadcast(flat, src=src, group=pp_group)
+            distributed.broadcast(flat, src=src, group=pp_group)
             parts = flat.split([math.prod(s) for s in shapes])
             tensors = [part.view(shape) for part, shape in zip(parts, shapes, strict=True)]
         yield from zip(names, tensors, strict=True)
@@ -506,7 +507,7 @@ def _gather_full(
     params: Mapping[str, torch.Tensor],
     place: Placement,
     spec: ModelSpec,
-    tp_group: dist.ProcessGroup | None,
+    tp_group: distributed.Group,
     tp_size: int,
 ) -> list[torch.Tensor]:
     name = _resolve(place.mcore_names, params)
@@ -516,6 +517,5 @@ def _gather_full(
     if tp_size == 1 or place.entry.kind == REPLICATED:
         shards = [local]
     else:
-        shards = [torch.empty_like(local) for _ in range(tp_size)]
-        dist.all_gather(shards, local.contiguous(), group=tp_group)
+        shards = distributed.all_gather(local, group=tp_group)
     return from_shards(place.entry.kind, shards, spec)

@@ -195,7 +195,8 @@ class VLLMGenerator:
             kwargs["max_num_batched_tokens"] = max_num_batched_tokens
         if backend:
             kwargs["distributed_executor_backend"] = backend
-        self.llm = LLM(**kwargs)
+        with distributed.vllm_device_env():  # the engine's GPU is the trainer's (one GPU per task included)
+            self.llm = LLM(**kwargs)
         self._released: set[str] = set()  # tags given up by sleep() and not yet woken
         self._weights_error: str | None = (
             "load_format='dummy' starts from random weights" if load_format == "dummy" else None
@@ -254,8 +255,7 @@ class VLLMGenerator:
 
         group = get_tp_group()
         digest = hashlib.sha256(repr(([list(p) for p in prompt_token_ids], n, sampling)).encode()).hexdigest()
-        digests: list[str | None] = [None] * group.world_size
-        torch.distributed.all_gather_object(digests, digest, group=group.cpu_group)
+        digests = distributed.all_gather_object(digest, group=group.cpu_group)
         if len(set(digests)) > 1:
             raise ValueError(
                 "VLLMGenerator: the ranks of one vLLM tensor-parallel group passed different prompts or sampling "

@@ -1,7 +1,8 @@
 """The Policy protocol on a transformers causal LM (CPU demo, tests, single-GPU debugging).
 
 Data parallelism: every rank holds a full replica; gradients are SUMMED over ranks (the surrogate
-carries global normalisation), never averaged.
+carries global normalisation), never averaged. ``trainable=False`` builds a forward-only model (the
+reference policy): no optimizer, no gradients.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
+from nemo_disco import distributed
 from nemo_disco.batch import RolloutBatch
 from nemo_disco.config import RunConfig
 from nemo_disco.policy.base import SurrogateFn
@@ -60,7 +61,7 @@ def response_logprobs(
 class HFPolicy:
     """pi_theta as a transformers AutoModelForCausalLM with a torch AdamW optimizer."""
 
-    def __init__(self, cfg: RunConfig, model_dir: str | Path) -> None:
+    def __init__(self, cfg: RunConfig, model_dir: str | Path, *, trainable: bool = True) -> None:
         from transformers import AutoModelForCausalLM
 
         self.cfg = cfg
@@ -77,19 +78,24 @@ class HFPolicy:
             enable()
         self.model.config.use_cache = False
         pc = cfg.policy
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=pc.lr,
-            betas=(pc.adam_beta1, pc.adam_beta2),
-            eps=pc.adam_eps,
-            weight_decay=pc.weight_decay,
-        )
+        self.trainable = trainable
+        self.optimizer = None
+        if trainable:
+            self.optimizer = torch.optim.AdamW(
+                self.model.parameters(),
+                lr=pc.lr,
+                betas=(pc.adam_beta1, pc.adam_beta2),
+                eps=pc.adam_eps,
+                weight_decay=pc.weight_decay,
+            )
+        else:
+            self.model.requires_grad_(False)
         self.updates = 0
         self.total_updates = cfg.algorithm.steps * cfg.updates_per_step
         self.temperature = cfg.generation.temperature
         self.dp_group = None
-        self.dp_size = dist.get_world_size() if dist.is_initialized() else 1
-        self.dp_rank = dist.get_rank() if dist.is_initialized() else 0
+        self.dp_size = distributed.world_size()
+        self.dp_rank = distributed.rank()
 
     # ------------------------------------------------------------------------------------------------------------------
     def _forward(self, batch: RolloutBatch, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -124,6 +130,8 @@ class HFPolicy:
         entropy: bool = False,
     ) -> dict[str, float]:
         """One AdamW update on the summed micro-batch surrogates (see Policy.train_minibatch)."""
+        if not self.trainable:
+            raise RuntimeError("train_minibatch on a forward-only (reference) policy")
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         total = 0.0
@@ -136,7 +144,7 @@ class HFPolicy:
         if self.dp_size > 1:
             # One flat all-reduce (SUM) instead of one per tensor.
             flat = torch.cat([p.grad.reshape(-1) for p in params])
-            dist.all_reduce(flat, group=self.dp_group)
+            distributed.all_reduce(flat, group=self.dp_group)
             offset = 0
             for p in params:
                 p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
@@ -191,17 +199,18 @@ class HFPolicy:
         self.optimizer.load_state_dict(torch.load(directory / "optimizer.pt", map_location=self.device))
         self.updates = json.loads((directory / "policy_state.json").read_text())["updates"]
 
-    def offload(self) -> None:
-        """Move weights and optimizer state to CPU (a no-op on a CPU-only machine)."""
-        self._move(torch.device("cpu"))
+    def offload(self, *, weights: bool = True) -> None:
+        """Move optimizer state and (``weights``) the weights to CPU (a no-op on a CPU-only machine)."""
+        self._move(torch.device("cpu"), weights=weights)
 
     def onload(self) -> None:
         """Move weights and optimizer state back to the accelerator."""
         self._move(self.device)
 
-    def _move(self, device: torch.device) -> None:
-        self.model.to(device)
-        for state in self.optimizer.state.values():
+    def _move(self, device: torch.device, *, weights: bool = True) -> None:
+        if weights:
+            self.model.to(device)
+        for state in (self.optimizer.state if self.optimizer is not None else {}).values():
             for k, v in state.items():
                 if isinstance(v, torch.Tensor):
                     state[k] = v.to(device)

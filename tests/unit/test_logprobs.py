@@ -82,6 +82,28 @@ def test_no_full_float32_copy_of_the_logits():
     assert logits.grad.dtype == torch.bfloat16
 
 
+class _AtenOps(TorchDispatchMode):
+    """Records the names of the aten ops that run."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_no_matmul_in_the_float32_statistics():
+    """On GPUs that allow TF32, a bmm / mm of float32 blocks keeps ~10 mantissa bits: the entropy's
+    sum_v e_v (z_v - m) would be off by ~1e-3. It is an elementwise product and a sum instead."""
+    logits = torch.randn(2, 6, 50, requires_grad=True)
+    with _AtenOps() as mode:
+        lp, ent = token_logprobs(logits, torch.randint(0, 50, (2, 6)), temperature=0.7, chunk_size=4, entropy=True)
+        (lp.sum() + ent.sum()).backward()
+    assert not mode.ops & {"bmm", "mm", "matmul", "baddbmm", "addmm", "einsum", "dot", "mv"}, sorted(mode.ops)
+
+
 def test_bad_shapes_are_refused():
     with pytest.raises(ValueError, match=r"logits \(2, 3, 5\) do not match targets \(2, 4\)"):
         token_logprobs(torch.zeros(2, 3, 5), torch.zeros(2, 4, dtype=torch.long))
