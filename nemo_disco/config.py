@@ -79,6 +79,10 @@ class PolicyConfig(_Section):
     warmup_updates: int = Field(0, ge=0)
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
     use_distributed_optimizer: bool = True
+    # Megatron layer spec: "auto" = Transformer Engine when CUDA is present and it imports (the choice and its
+    # reason are logged; a GPU run that falls back warns with the import error); true = require it (fail with
+    # the import error); false = the local spec.
+    transformer_engine: bool | Literal["auto"] = "auto"
 
 
 class GenerationConfig(_Section):
@@ -229,10 +233,15 @@ class RunConfig(_Section):
                 f"policy.tensor_parallel_size x policy.pipeline_parallel_size = {model_parallel} must divide "
                 f"cluster.nodes x cluster.gpus_per_node = {world}"
             )
-        if world % g.tensor_parallel_size:
+        if self.cluster.gpus_per_node % g.tensor_parallel_size:
             raise ValueError(
                 f"generation.tensor_parallel_size={g.tensor_parallel_size} must divide "
-                f"cluster.nodes x cluster.gpus_per_node = {world}"
+                f"cluster.gpus_per_node={self.cluster.gpus_per_node} (an engine is consecutive ranks of one node)"
+            )
+        if g.backend == "hf" and g.tensor_parallel_size != 1:
+            raise ValueError(
+                f"generation.tensor_parallel_size={g.tensor_parallel_size} needs generation.backend=vllm "
+                "(the transformers generator runs one engine per process)"
             )
         data_parallel = world // model_parallel
         rollouts = a.minibatch_prompts * a.rollouts_per_prompt

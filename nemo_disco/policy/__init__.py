@@ -5,12 +5,16 @@ from nemo_disco.policy.base import Policy, SurrogateFn
 __all__ = ["Policy", "SurrogateFn", "build_policy"]
 
 
-def build_policy(cfg, tokenizer_dir):  # noqa: ANN001, ANN201  (imports stay lazy: megatron is heavy)
-    """Build the policy named by ``cfg.policy.backend`` (``cfg`` is a :class:`~nemo_disco.config.RunConfig`)."""
+def build_policy(cfg, model_dir, *, trainable=True):  # noqa: ANN001, ANN201  (lazy imports: megatron is heavy)
+    """Build the policy named by ``cfg.policy.backend`` (``cfg`` is a :class:`~nemo_disco.config.RunConfig`).
+
+    ``trainable=False`` builds a forward-only policy (the reference policy): log-probs, offload and onload
+    only; no optimizer, gradient buffers or master weights.
+    """
     if cfg.policy.backend == "hf":
         from nemo_disco.policy.hf import HFPolicy
 
-        return HFPolicy(cfg, tokenizer_dir)
+        return HFPolicy(cfg, model_dir, trainable=trainable)
     from nemo_disco.policy.megatron import MegatronPolicy
 
-    return MegatronPolicy(cfg, tokenizer_dir)
+    return MegatronPolicy(cfg, model_dir, trainable=trainable)

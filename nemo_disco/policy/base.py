@@ -68,8 +68,11 @@ class Policy(Protocol):
         """Inverse of :meth:`save` (collective)."""
         ...
 
-    def offload(self) -> None:
-        """Move weights, gradients and optimizer state to CPU (colocated generation)."""
+    def offload(self, *, weights: bool = True) -> None:
+        """Move gradients and optimizer state, and (``weights``) the weights, to CPU (colocated generation).
+
+        The colocated order frees gradients and optimizer state before the refit and the weights after it.
+        """
         ...
 
     def onload(self) -> None:

@@ -4,9 +4,14 @@ Layout and parallelism:
   - ``parallel_state`` is initialised from the default process group (torchrun / srun started it; a single
     process without one gets a one-rank gloo group), TP x PP from ``policy.tensor_parallel_size`` /
     ``policy.pipeline_parallel_size``, DP = world / (TP x PP). Each rank holds its shard of the model.
-  - Transformer Engine layer spec when ``transformer_engine`` imports and CUDA is present; then sequences are
-    packed (THD, no padding). Otherwise the local layer spec on a padded batch with an explicit attention mask
-    (mcore's own causal mask is built on CUDA). On CPU ``cpu_compat`` patches the CUDA assumptions.
+  - ``policy.transformer_engine``: ``auto`` takes the Transformer Engine layer spec when CUDA is present and
+    ``transformer_engine`` imports, and logs which spec runs and why (a warning, with the import error, when
+    a GPU run falls back); ``true`` fails with that error instead; ``false`` is the local spec. With TE,
+    sequences are packed (THD, no padding). Otherwise the local layer spec on a padded batch with an explicit
+    attention mask (mcore's own causal mask is built on CUDA). On CPU ``cpu_compat`` patches the CUDA
+    assumptions.
+  - Fused kernels from apex (masked softmax, gradient-accumulation fusion) are switched on only when their
+    extension modules import (:func:`fusion_flags`); TE does not provide them, and mcore would raise.
   - Every sequence is laid out from position 0 (prompt then response, padding after it), as the generator
     sees it, so positions and RoPE angles match Hugging Face's forward exactly.
 
@@ -20,35 +25,44 @@ Gradient exactness (the surrogate carries global normalisation, see ``nemo_disco
 
 Optimiser: Megatron's (distributed, when ``policy.use_distributed_optimizer``) optimizer on GPU; on CPU a
 plain ``torch.optim.AdamW`` over the DDP gradient buffers (mcore's clipping asserts CUDA tensors), with the
-same weight-decay groups (none on biases and norms). The gradient norm is taken over the full model
+same weight-decay groups (none on biases and norms), each group's decay and learning rate written before every
+update (:func:`set_group_hyperparameters`). The gradient norm is taken over the full model
 (TP-replicated and tied copies counted once) before clipping; a non-finite surrogate or norm on any rank
 skips the update on every rank.
 
 What :meth:`MegatronPolicy.save` writes into ``policy/`` (``nemo_disco.convert.megatron_to_hf`` reads it):
-  - ``megatron.json``: format marker, update counter, TP / PP / dtype it was saved with, padded vocabulary;
+  - ``megatron.json``: format marker, update counter, TP / PP / dtype it was saved with, padded vocabulary,
+    the layer spec (``transformer_engine`` or ``local``; either loads into either, see
+    :func:`load_model_checkpoint`);
   - ``config.json`` + tokenizer files + ``generation_config.json``: copied from the Hugging Face source;
   - ``model/``: a Megatron dist checkpoint (torch_dist) of the weights; tensors are stored globally, so it
     loads at any TP / PP (vocabulary padding must match: it does for any TP dividing ``vocab_multiple``);
   - ``optimizer/``: a dist checkpoint of the optimizer state (absent in weights-only checkpoints).
+
+A forward-only policy (``trainable=False``, the reference policy of the GRPO family's KL term) has neither
+gradient buffers, optimizer nor fp32 master weights; it is offloaded with the trained policy.
+
+Colocated offload (:meth:`MegatronPolicy.offload`): gradients and optimizer state leave the GPU before the
+refit, the weights after it.
 """
 
 from __future__ import annotations
 
-import datetime
 import functools
+import importlib
 import json
+import logging
 import math
 import os
 import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 
-from nemo_disco import weights
+from nemo_disco import distributed, weights
 from nemo_disco.batch import RolloutBatch
 from nemo_disco.config import RunConfig
 from nemo_disco.policy import cpu_compat
@@ -72,15 +86,113 @@ TOKENIZER_FILES = (
 )
 
 
-def te_available() -> bool:
-    """Transformer Engine imports AND CUDA is present (TE is never installed on CPU machines)."""
-    if not torch.cuda.is_available():
-        return False
+log = logging.getLogger(__name__)
+
+#: Layer specs a checkpoint records in ``megatron.json`` (``layer_spec``).
+LAYER_SPECS = ("transformer_engine", "local")
+
+
+def te_import_error() -> str | None:
+    """None when ``transformer_engine.pytorch`` imports, else the reason.
+
+    A broken install raises more than ImportError (e.g. cudnn not found): every exception is caught and reported.
+    """
     try:
         import transformer_engine.pytorch  # noqa: F401
-    except Exception:  # a broken TE install raises more than ImportError (cudnn not found...)
+    except Exception as err:  # noqa: BLE001
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def decide_transformer_engine(
+    setting: bool | Literal["auto"], cuda: bool, import_error: str | None
+) -> tuple[bool, str]:
+    """Whether to build the Transformer Engine layer spec, and why (pure; :func:`use_transformer_engine` logs it).
+
+    Args:
+        setting: ``policy.transformer_engine``: "auto", True (required) or False (local spec).
+        cuda: whether CUDA is available.
+        import_error: :func:`te_import_error`'s answer (ignored without CUDA: TE is never installed on CPU).
+
+    Raises:
+        RuntimeError: ``setting`` is True and TE cannot run here (no CUDA, or the import failed: its error).
+    """
+    if setting is False:
+        return False, "local layer spec: policy.transformer_engine=false"
+    if not cuda:
+        if setting is True:
+            raise RuntimeError("policy.transformer_engine=true needs a CUDA device; none is available")
+        return False, "local layer spec: no CUDA device (Transformer Engine is GPU only)"
+    if import_error is not None:
+        if setting is True:
+            raise RuntimeError(
+                f"policy.transformer_engine=true but transformer_engine failed to import: {import_error}"
+            )
+        return False, (
+            f"local layer spec: transformer_engine failed to import ({import_error}); set "
+            "policy.transformer_engine=true to make this an error, or false to silence it"
+        )
+    return True, "Transformer Engine layer spec (packed sequences)"
+
+
+def use_transformer_engine(setting: bool | Literal["auto"]) -> bool:
+    """:func:`decide_transformer_engine` on this machine; logs the choice (a warning when a GPU run falls back)."""
+    cuda = torch.cuda.is_available()
+    use, why = decide_transformer_engine(setting, cuda, te_import_error() if cuda else None)
+    (log.warning if cuda and not use and setting == "auto" else log.info)("Megatron policy: %s", why)
+    return use
+
+
+def te_available() -> bool:
+    """Transformer Engine imports AND CUDA is present (TE is never installed on CPU machines)."""
+    return torch.cuda.is_available() and te_import_error() is None
+
+
+# Optional fused kernels: mcore enables them by config flag, then imports their extension inside the kernel
+# (apex builds them; Transformer Engine does not provide them). A flag may only be on when its modules import.
+_FUSION_MODULES = {
+    # mcore's FusedScaleMaskSoftmax (local layer spec, 16-bit inputs) imports these in its forward.
+    "masked_softmax_fusion": (
+        "scaled_masked_softmax_cuda",
+        "scaled_upper_triang_masked_softmax_cuda",
+        "scaled_softmax_cuda",
+    ),
+    # mcore's ColumnParallelLinear (the output layer even under the TE spec) raises in its constructor without it.
+    "gradient_accumulation_fusion": ("fused_weight_gradient_mlp_cuda",),
+}
+
+
+def module_imports(name: str) -> bool:
+    """Whether ``import name`` succeeds (a failure is logged with its error, never silent)."""
+    try:
+        importlib.import_module(name)
+    except Exception as err:  # noqa: BLE001  (a broken extension raises more than ImportError)
+        log.info("optional fused kernel module %s unavailable (%s: %s)", name, type(err).__name__, err)
         return False
     return True
+
+
+def fusion_flags(on_gpu: bool, use_te: bool, imports: Callable[[str], bool] = module_imports) -> dict[str, bool]:
+    """Mcore ``TransformerConfig`` fusion flags: a fused kernel only where it runs.
+
+    Args:
+        on_gpu: CUDA is available (every fusion here is a CUDA kernel).
+        use_te: the Transformer Engine layer spec is used (RoPE fusion comes from TE).
+        imports: whether a module imports (:func:`module_imports`; tests pass their own).
+    """
+    flags = {
+        # torch.jit / compiled fusions that ship with mcore itself.
+        "bias_activation_fusion": on_gpu,
+        "bias_dropout_fusion": on_gpu,
+        "apply_rope_fusion": use_te,
+    }
+    for flag, modules in _FUSION_MODULES.items():
+        flags[flag] = on_gpu and all(imports(m) for m in modules)
+    if on_gpu:
+        off = sorted(f for f in _FUSION_MODULES if not flags[f])
+        if off:
+            log.info("Megatron policy: %s off (their apex extensions do not import)", ", ".join(off))
+    return flags
 
 
 def is_checkpoint_dir(path: str | Path) -> bool:
@@ -119,19 +231,14 @@ def init_parallel(tp: int, pp: int, seed: int = 1) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    from nemo_disco import distributed
-
     if torch.cuda.is_available():
-        torch.cuda.set_device(distributed.read_env().local_rank % torch.cuda.device_count())
-    if not dist.is_initialized():
+        torch.cuda.set_device(distributed.cuda_device_index())
+    if not distributed.is_initialized():
         if distributed.read_env().world_size > 1:
             distributed.init()
         else:
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-            dist.init_process_group(
-                backend, store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(minutes=30)
-            )
-    world = dist.get_world_size()
+            distributed.init_single_process()
+    world = distributed.world_size()
     if world % (tp * pp):
         raise ValueError(
             f"policy.tensor_parallel_size x policy.pipeline_parallel_size = {tp} x {pp} does not divide "
@@ -158,7 +265,7 @@ def transformer_config(
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     on_gpu = torch.cuda.is_available()
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = fusion_flags(on_gpu, use_te)
     if recompute:
         extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     return TransformerConfig(
@@ -186,12 +293,7 @@ def transformer_config(
         # Every parameter is overwritten from the checkpoint, but mcore only marks tensor-parallel parameters
         # (``tensor_model_parallel``, which the gradient norm relies on) inside its initialisation.
         perform_initialization=True,
-        bias_activation_fusion=on_gpu,
-        bias_dropout_fusion=on_gpu,
-        masked_softmax_fusion=on_gpu,
-        apply_rope_fusion=use_te,
         persist_layer_norm=False,
-        gradient_accumulation_fusion=use_te,
         # The schedules then leave the loss as returned (no division by the number of micro-batches) and
         # DDP does not pre-scale gradients by 1 / DP.
         calculate_per_token_loss=True,
@@ -259,13 +361,36 @@ def save_model_checkpoint(model: Any, directory: Path) -> None:
         dist_checkpointing.save(model.sharded_state_dict(), str(directory))
 
 
+def _is_extra_state(key: str) -> bool:
+    return key.endswith("._extra_state")
+
+
 def load_model_checkpoint(model: Any, directory: Path) -> None:
-    """Collective: load a dist checkpoint written by :func:`save_model_checkpoint` (any TP / PP) into ``model``."""
+    """Collective: load a dist checkpoint written by :func:`save_model_checkpoint` (any TP / PP) into ``model``.
+
+    Across layer specs: mcore names the weights of both specs alike (the local spec maps its norms to the TE
+    names), but a Transformer Engine model also asks for ``_extra_state`` entries (FP8 metadata, e.g. of its
+    core attention) that a local-spec checkpoint does not hold. Those, and only those, may be absent: they
+    keep their freshly built values (no FP8 history, which a bf16 run does not use). Any other absent
+    tensor is an error naming it.
+
+    Raises:
+        ValueError: the checkpoint lacks a tensor the model needs.
+    """
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
 
     with cpu_compat.device_scope():
-        state = dist_checkpointing.load(model.sharded_state_dict(), str(directory))
-        model.load_state_dict(state)
+        state, _, absent = dist_checkpointing.load(
+            model.sharded_state_dict(), str(directory), strict=StrictHandling.RETURN_UNEXPECTED
+        )
+        absent_weights = sorted(k for k in absent if not _is_extra_state(k))
+        if absent_weights:
+            raise ValueError(f"{directory}: the checkpoint lacks {len(absent_weights)} tensor(s): {absent_weights[:5]}")
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    bad = sorted(k for k in missing if not _is_extra_state(k)) + sorted(unexpected)
+    if bad:
+        raise ValueError(f"{directory}: checkpoint and model disagree on {bad[:5]}")
 
 
 def write_policy_files(directory: Path, source_dir: Path, meta: dict[str, Any]) -> None:
@@ -281,11 +406,32 @@ def write_policy_files(directory: Path, source_dir: Path, meta: dict[str, Any]) 
 
 
 def _make_dir(directory: Path) -> None:
-    if dist.get_rank() == 0:
+    if distributed.rank() == 0:
         if directory.exists():
             shutil.rmtree(directory)
         directory.mkdir(parents=True)
-    dist.barrier()
+    distributed.barrier()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Optimizer parameter groups (both optimizer paths).
+
+
+def no_weight_decay(name: str, param: torch.Tensor) -> bool:
+    """Mcore's default rule: no weight decay on biases and 1-D parameters (norms)."""
+    return name.endswith(".bias") or param.dim() == 1
+
+
+def set_group_hyperparameters(groups: list[dict[str, Any]], lr: float, weight_decay: float) -> None:
+    """Each group's learning rate and weight decay for the next update: ``lr x lr_mult``, ``decay x wd_mult``.
+
+    What mcore's ``OptimizerParamScheduler`` does every step. mcore's groups carry ``wd_mult`` (0 for biases
+    and norms) but its inner Adam applies ``OptimizerConfig.weight_decay`` to every group unless the group's
+    own ``weight_decay`` is written, so both optimizer paths call this before every step.
+    """
+    for group in groups:
+        group["lr"] = lr * group.get("lr_mult", 1.0)
+        group["weight_decay"] = weight_decay * group.get("wd_mult", 1.0)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -404,7 +550,14 @@ def _prepare(batch: RolloutBatch, rows: torch.Tensor, packed: bool, device: torc
 class MegatronPolicy:
     """pi_theta as a Megatron-Core GPTModel shard (see the module docstring)."""
 
-    def __init__(self, cfg: RunConfig, model_dir: str | Path, *, vocab_multiple: int | None = None) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        model_dir: str | Path,
+        *,
+        vocab_multiple: int | None = None,
+        trainable: bool = True,
+    ) -> None:
         """Build the model from an HF folder or a Megatron policy directory.
 
         Args:
@@ -413,6 +566,8 @@ class MegatronPolicy:
                 ``nemo_disco.convert.hf_to_megatron`` (its weights only; the optimizer starts fresh).
             vocab_multiple: pad the vocabulary to a multiple of lcm(this, TP) (Megatron's
                 ``make_vocab_size_divisible_by``); default: the checkpoint's, else 128.
+            trainable: False builds a forward-only model (a reference policy): no gradient buffers, no
+                optimizer, no fp32 master weights; only :meth:`logprobs`, :meth:`offload` and :meth:`onload`.
         """
         cpu_compat.apply()
         from megatron.core import parallel_state as ps
@@ -431,7 +586,8 @@ class MegatronPolicy:
         self.spec = weights.ModelSpec.from_dir(self.model_dir)
         self.vocab_multiple = vocab_multiple or meta.get("vocab_multiple") or weights.DEFAULT_VOCAB_MULTIPLE
         self.padded_vocab = weights.padded_vocab_size(self.spec.vocab_size, self.tp, self.vocab_multiple)
-        self.use_te = te_available()
+        self.use_te = use_transformer_engine(pc.transformer_engine)
+        self.layer_spec = LAYER_SPECS[0] if self.use_te else LAYER_SPECS[1]
         self.packed = self.use_te  # THD packing needs TE attention
         self.temperature = cfg.generation.temperature
         recompute = pc.activation_checkpointing
@@ -445,8 +601,14 @@ class MegatronPolicy:
         else:
             load_hf_weights(self.gpt, self.model_dir, self.spec, self.padded_vocab)
         self._source_dir = self.model_dir
-        self.model = self._wrap_ddp()
-        self.optimizer = self._build_optimizer()
+        self.trainable = trainable
+        if trainable:
+            self.model = self._wrap_ddp()
+            self.optimizer = self._build_optimizer()
+        else:
+            for p in self.gpt.parameters():
+                p.requires_grad_(False)
+            self.model, self.optimizer = self.gpt, None
         self.updates = 0
         self.total_updates = cfg.algorithm.steps * cfg.updates_per_step
         self.tp_group = ps.get_tensor_model_parallel_group()
@@ -457,7 +619,7 @@ class MegatronPolicy:
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.is_last_stage = ps.is_pipeline_last_stage()
         self._last_stage_rank = ps.get_pipeline_model_parallel_last_rank()
-        self._offloaded = False
+        self._offloaded: set[str] = set()  # "optimizer" (gradients + optimizer state) and / or "weights"
 
     # ------------------------------------------------------------------------------------------------------------------
     # Construction helpers.
@@ -476,35 +638,47 @@ class MegatronPolicy:
             return DistributedDataParallel(config=self.tf_config, ddp_config=ddp_config, module=self.gpt)
 
     def _build_optimizer(self) -> Any:
-        pc = self.cfg.policy
-        if self.on_gpu:
-            from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        return self._build_megatron_optimizer() if self.on_gpu else self._build_torch_optimizer()
 
-            opt_config = OptimizerConfig(
-                optimizer="adam",
-                lr=pc.lr,
-                weight_decay=pc.weight_decay,
-                adam_beta1=pc.adam_beta1,
-                adam_beta2=pc.adam_beta2,
-                adam_eps=pc.adam_eps,
-                clip_grad=pc.grad_clip,
-                bf16=self.dtype == torch.bfloat16,
-                fp16=self.dtype == torch.float16,
-                params_dtype=self.dtype,
-                use_distributed_optimizer=pc.use_distributed_optimizer,
-            )
+    def _build_megatron_optimizer(self) -> Any:
+        """Mcore's optimizer (distributed when ``policy.use_distributed_optimizer``); the GPU path.
+
+        Its parameter groups carry ``wd_mult`` / ``lr_mult``; :func:`set_group_hyperparameters` turns them
+        into each group's decay and learning rate at every update.
+        """
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        pc = self.cfg.policy
+        opt_config = OptimizerConfig(
+            optimizer="adam",
+            lr=pc.lr,
+            weight_decay=pc.weight_decay,
+            adam_beta1=pc.adam_beta1,
+            adam_beta2=pc.adam_beta2,
+            adam_eps=pc.adam_eps,
+            clip_grad=pc.grad_clip,
+            bf16=self.dtype == torch.bfloat16,
+            fp16=self.dtype == torch.float16,
+            params_dtype=self.dtype,
+            use_distributed_optimizer=pc.use_distributed_optimizer and self.on_gpu,
+        )
+        with cpu_compat.device_scope():  # tests build it on CPU to compare its groups with the CPU path's
             optimizer = get_megatron_optimizer(opt_config, [self.model])
-            if self.dtype == torch.float16:
-                self.tf_config.grad_scale_func = optimizer.scale_loss
-            return optimizer
-        # mcore's default weight-decay groups: none on biases and 1-D parameters (norms).
+        if self.dtype == torch.float16:
+            self.tf_config.grad_scale_func = optimizer.scale_loss
+        set_group_hyperparameters(optimizer.param_groups, pc.lr, pc.weight_decay)
+        return optimizer
+
+    def _build_torch_optimizer(self) -> torch.optim.AdamW:
+        """AdamW over the DDP gradient buffers with mcore's default decay groups; the CPU path."""
+        pc = self.cfg.policy
         decay, no_decay = [], []
         for name, p in self.gpt.named_parameters():
-            (no_decay if name.endswith(".bias") or p.dim() == 1 else decay).append(p)
-        groups = [{"params": decay, "weight_decay": pc.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        return torch.optim.AdamW(
-            [g for g in groups if g["params"]], lr=pc.lr, betas=(pc.adam_beta1, pc.adam_beta2), eps=pc.adam_eps
-        )
+            (no_decay if no_weight_decay(name, p) else decay).append(p)
+        groups = [{"params": decay, "wd_mult": 1.0}, {"params": no_decay, "wd_mult": 0.0}]
+        groups = [g for g in groups if g["params"]]
+        set_group_hyperparameters(groups, pc.lr, pc.weight_decay)
+        return torch.optim.AdamW(groups, lr=pc.lr, betas=(pc.adam_beta1, pc.adam_beta2), eps=pc.adam_eps)
 
     def _check_meta(self, meta: dict[str, Any], where: Path) -> None:
         if int(meta["padded_vocab_size"]) != self.padded_vocab:
@@ -579,7 +753,7 @@ class MegatronPolicy:
 
     def _broadcast_from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
         if self.pp > 1:
-            dist.broadcast(t, src=self._last_stage_rank, group=self.pp_group)
+            distributed.broadcast(t, src=self._last_stage_rank, group=self.pp_group)
         return t
 
     @torch.no_grad()
@@ -645,6 +819,8 @@ class MegatronPolicy:
             entropy: pass per-token entropy to ``surrogate_fn``.
             lr: learning rate of this update; None follows ``policy.schedule.lr_at``.
         """
+        if not self.trainable:
+            raise RuntimeError("train_minibatch on a forward-only (reference) policy")
         surrogate = self.accumulate_gradients(batch, surrogate_fn, entropy=entropy)
         step_lr = lr_at(self.updates, self.cfg.policy, self.total_updates) if lr is None else lr
         clip = self.cfg.policy.grad_clip
@@ -658,9 +834,7 @@ class MegatronPolicy:
         return {"grad_norm": grad_norm, "lr": step_lr, "skipped": float(skipped), "surrogate": surrogate}
 
     def _any_rank(self, flag: bool) -> bool:
-        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item() > 0)
+        return distributed.any_rank(flag)
 
     def _step_torch(self, step_lr: float, clip: float, surrogate: float) -> tuple[float, bool]:
         grad_norm = self.grad_norm()
@@ -670,8 +844,7 @@ class MegatronPolicy:
         for p in self.gpt.parameters():
             g = p.main_grad if coeff == 1.0 else p.main_grad * coeff
             p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
-        for group in self.optimizer.param_groups:
-            group["lr"] = step_lr
+        set_group_hyperparameters(self.optimizer.param_groups, step_lr, self.cfg.policy.weight_decay)
         self.optimizer.step()
         for p in self.gpt.parameters():
             p.grad = None
@@ -685,8 +858,7 @@ class MegatronPolicy:
         if self._any_rank(found_inf or not (math.isfinite(surrogate) and math.isfinite(grad_norm))):
             self.optimizer.zero_grad()
             return grad_norm, True
-        for group in self.optimizer.param_groups:
-            group["lr"] = step_lr
+        set_group_hyperparameters(self.optimizer.param_groups, step_lr, self.cfg.policy.weight_decay)
         if clip > 0:
             for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
                 params = [] if getattr(opt, "is_stub_optimizer", False) else opt.get_parameters()
@@ -706,7 +878,7 @@ class MegatronPolicy:
         for p in self.gpt.parameters():
             if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
                 sq += p.main_grad.float().pow(2).sum()
-        dist.all_reduce(sq, group=ps.get_model_parallel_group())
+        distributed.all_reduce(sq, group=ps.get_model_parallel_group())
         return float(sq.sqrt())
 
     # ------------------------------------------------------------------------------------------------------------------
@@ -723,7 +895,18 @@ class MegatronPolicy:
         )
 
     def export_gradients(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The accumulated gradient (after :meth:`accumulate_gradients`) as full HF-named tensors."""
+        """The accumulated gradient (after :meth:`accumulate_gradients`) as full HF-named tensors.
+
+        Raises:
+            RuntimeError: with the distributed optimizer and DP > 1 the gradient buffers are reduce-scattered:
+                each rank holds the summed gradient of its shard only, so the full gradient is not at hand.
+        """
+        if self.model.ddp_config.use_distributed_optimizer and self.dp_size > 1:
+            raise RuntimeError(
+                "export_gradients: with policy.use_distributed_optimizer=true and data-parallel size "
+                f"{self.dp_size} each rank holds only its shard of the reduced gradient; use "
+                "policy.use_distributed_optimizer=false (or DP 1) to read the full gradient"
+            )
         yield from weights.export_hf(
             {name: p.main_grad for name, p in self.gpt.named_parameters()},
             self.spec,
@@ -768,17 +951,19 @@ class MegatronPolicy:
         """Collective: weights and optimizer as dist checkpoints, plus ``megatron.json`` and the HF files."""
         from megatron.core import dist_checkpointing
 
+        if not self.trainable:
+            raise RuntimeError("a forward-only (reference) policy has no training state to save")
         directory = Path(directory)
-        if dist.get_rank() == 0:
+        if distributed.rank() == 0:
             directory.mkdir(parents=True, exist_ok=True)
-        dist.barrier()
+        distributed.barrier()
         save_model_checkpoint(self.gpt, directory / "model")
         _make_dir(directory / "optimizer")
         with cpu_compat.device_scope():
             dist_checkpointing.save(self._optimizer_sharded_state_dict(is_loading=False), str(directory / "optimizer"))
-        if dist.get_rank() == 0:
+        if distributed.rank() == 0:
             write_policy_files(directory, self._source_dir, self._meta())
-        dist.barrier()
+        distributed.barrier()
 
     def _meta(self) -> dict[str, Any]:
         return {
@@ -789,6 +974,7 @@ class MegatronPolicy:
             "vocab_size": self.spec.vocab_size,
             "padded_vocab_size": self.padded_vocab,
             "vocab_multiple": self.vocab_multiple,
+            "layer_spec": self.layer_spec,
         }
 
     def load(self, directory: Path) -> None:
@@ -812,36 +998,47 @@ class MegatronPolicy:
             self.optimizer.load_state_dict(state)
         self.updates = int(meta.get("updates", 0))
 
-    def offload(self) -> None:
-        """Weights, gradient buffers and optimizer state to CPU (a no-op on a CPU-only machine)."""
-        if not self.on_gpu or self._offloaded:
+    def offload(self, *, weights: bool = True) -> None:
+        """Free the GPU for the generator: gradients and optimizer state, then (``weights``) the weights too.
+
+        The colocated order (``nemo_disco.algorithm.generation_phase``) calls ``offload(weights=False)`` before
+        the refit (the weights are read by it) and ``offload()`` after. A no-op on a CPU-only machine.
+        """
+        if not self.on_gpu:
             return
-        self.model.offload_grad_buffers()
-        for buffer in self.model.buffers:
-            if buffer.param_data is not None:
-                buffer.offload_to_cpu(move_params=True, move_grads=False)
-        if not self.model.ddp_config.use_distributed_optimizer:
-            for p in self.gpt.parameters():
-                p.data = p.data.to("cpu", non_blocking=True)
-        self._move_optimizer(torch.device("cpu"))
+        if "optimizer" not in self._offloaded and self.trainable:
+            self.model.offload_grad_buffers(synchronize=True, empty_cache=False)
+            self._move_optimizer(torch.device("cpu"))
+            self._offloaded.add("optimizer")
+        if weights and "weights" not in self._offloaded:
+            buffers = self.model.buffers if self.trainable else []
+            for buffer in buffers:
+                if buffer.param_data is not None:
+                    buffer.offload_to_cpu(move_params=True, move_grads=False)
+            if not any(buffer.param_data is not None for buffer in buffers):
+                for p in self.gpt.parameters():
+                    p.data = p.data.to("cpu", non_blocking=True)
+            self._offloaded.add("weights")
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-        self._offloaded = True
 
     def onload(self) -> None:
-        """Inverse of :meth:`offload`."""
+        """Inverse of :meth:`offload` (whatever it moved)."""
         if not self.on_gpu or not self._offloaded:
             return
-        for buffer in self.model.buffers:
-            if buffer.param_data is not None:
-                buffer.reload_from_cpu(move_params=True, move_grads=False)
-        if not self.model.ddp_config.use_distributed_optimizer:
-            for p in self.gpt.parameters():
-                p.data = p.data.to(self.device, non_blocking=True)
-        self.model.restore_grad_buffers()
-        self._move_optimizer(self.device)
+        if "weights" in self._offloaded:
+            buffers = self.model.buffers if self.trainable else []
+            for buffer in buffers:
+                if buffer.param_data is not None:
+                    buffer.reload_from_cpu(move_params=True, move_grads=False)
+            if not any(buffer.param_data is not None for buffer in buffers):
+                for p in self.gpt.parameters():
+                    p.data = p.data.to(self.device, non_blocking=True)
+        if "optimizer" in self._offloaded:
+            self.model.restore_grad_buffers(synchronize=False)
+            self._move_optimizer(self.device)
         torch.cuda.synchronize()
-        self._offloaded = False
+        self._offloaded.clear()
 
     def _move_optimizer(self, device: torch.device) -> None:
         """Adam moments and, for bf16 / fp16 weights, the fp32 master copies (float32 masters ARE the weights)."""

@@ -8,6 +8,8 @@ Scenarios (``--scenario``):
   single      one process without torchrun (a one-rank gloo group is created): activation checkpointing,
               offload / onload, micro-batch and chunk invariance.
   gpu         CUDA only: bf16, TE spec and packing (when TE imports), distributed optimizer, offload, save / load.
+  gpu_rules   one process on CPU: the GPU rules a CPU can show (optimizer decay groups of both paths, fusion
+              flags against mcore's constructors, cross-spec checkpoint loads, the forward-only reference).
 The pytest side (test_megatron_*.py) builds the tiny models, launches this script and asserts on the JSON.
 """
 
@@ -342,6 +344,123 @@ def scenario_gpu(args: argparse.Namespace, world: int, rank: int) -> dict:
     return res
 
 
+def scenario_gpu_rules(args: argparse.Namespace, world: int, rank: int) -> dict:
+    """GPU rules checked on CPU: decay groups of both optimizer paths, fusion flags against mcore's
+    constructors, cross-spec checkpoint loads, the forward-only reference policy, the recorded layer spec."""
+    import dataclasses
+
+    from megatron.core.dist_checkpointing import ShardedObject
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from nemo_disco.policy import cpu_compat
+    from nemo_disco.policy import megatron as mp
+
+    model_dir = Path(args.models[0])
+    batch = make_batch()
+    cfg = make_cfg(1, **{"policy.weight_decay": 0.1})
+    policy = mp.MegatronPolicy(cfg, model_dir, vocab_multiple=args.vocab_multiple)
+    names = {id(p): n for n, p in policy.model.named_parameters()}
+
+    def decays(groups: list[dict]) -> dict[str, float]:
+        return {names[id(p)]: float(g["weight_decay"]) for g in groups for p in g["params"]}
+
+    res: dict = {"decay_cpu": decays(policy.optimizer.param_groups)}
+    opt_config = OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.1, clip_grad=0.0, params_dtype=torch.float32)
+    with cpu_compat.device_scope():
+        raw = get_megatron_optimizer(opt_config, [policy.model])  # what the GPU path held before the fix
+    res["decay_megatron_raw"] = decays(raw.param_groups)
+    res["decay_megatron"] = decays(policy._build_megatron_optimizer().param_groups)
+
+    # Fusion flags against mcore's constructors: the old gradient_accumulation_fusion=use_te on a GPU without
+    # apex raises in the output layer's constructor; the flags fusion_flags gives such a GPU build.
+    try:
+        mp.build_gpt_model(
+            policy.spec,
+            dataclasses.replace(policy.tf_config, gradient_accumulation_fusion=True),
+            policy.padded_vocab,
+            False,
+        )
+        res["old_grad_acc_fusion_error"] = ""
+    except RuntimeError as err:
+        res["old_grad_acc_fusion_error"] = str(err)
+    flags = mp.fusion_flags(on_gpu=True, use_te=True)
+    res["gpu_flags"] = flags
+    new_cfg = dataclasses.replace(
+        policy.tf_config, **{k: flags[k] for k in ("gradient_accumulation_fusion", "masked_softmax_fusion")}
+    )
+    res["new_flags_build"] = mp.build_gpt_model(policy.spec, new_cfg, policy.padded_vocab, False) is not None
+
+    # Cross-spec loads. A Transformer Engine model also asks for _extra_state objects (its core attention's)
+    # that a local-spec checkpoint lacks, and a TE checkpoint holds ones a local model does not ask for.
+    te_extra = "decoder.layers.self_attention.core_attention._extra_state"
+    local_dir = Path(args.out) / "local_ckpt"
+    mp.save_model_checkpoint(policy.gpt, local_dir)
+    target = mp.MegatronPolicy(cfg, model_dir, vocab_multiple=args.vocab_multiple, trainable=False).gpt
+    with torch.no_grad():
+        for p in target.parameters():
+            p.zero_()
+    plain_sd = target.sharded_state_dict
+
+    def te_like(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+        sd = plain_sd(*a, **kw)
+        sd["decoder.layers.0.self_attention.core_attention._extra_state"] = ShardedObject(te_extra, None, (1,), (0,))
+        return sd
+
+    target.sharded_state_dict = te_like
+    try:
+        mp.load_model_checkpoint(target, local_dir)
+        res["te_loads_local"] = all(
+            torch.equal(a, b) for a, b in zip(target.parameters(), policy.gpt.parameters(), strict=True)
+        )
+    except Exception as err:  # noqa: BLE001
+        res["te_loads_local"] = f"{type(err).__name__}: {err}"
+    te_dir = Path(args.out) / "te_ckpt"
+    mp.save_model_checkpoint(target, te_dir)
+    target.sharded_state_dict = plain_sd
+    with torch.no_grad():
+        for p in target.parameters():
+            p.zero_()
+    mp.load_model_checkpoint(target, te_dir)
+    res["local_loads_te"] = all(
+        torch.equal(a, b) for a, b in zip(target.parameters(), policy.gpt.parameters(), strict=True)
+    )
+
+    def missing_weight(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+        sd = plain_sd(*a, **kw)
+        extra = sd["decoder.final_layernorm.weight"]
+        sd["decoder.final_layernorm.extra"] = dataclasses.replace(extra, key="decoder.final_layernorm.extra")
+        return sd
+
+    target.sharded_state_dict = missing_weight
+    try:
+        mp.load_model_checkpoint(target, local_dir)
+        res["missing_weight_error"] = ""
+    except ValueError as err:
+        res["missing_weight_error"] = str(err)
+
+    # The forward-only reference policy.
+    ref_policy = mp.MegatronPolicy(cfg, model_dir, vocab_multiple=args.vocab_multiple, trainable=False)
+    res["ref_optimizer_none"] = ref_policy.optimizer is None
+    res["ref_unwrapped"] = ref_policy.model is ref_policy.gpt
+    res["ref_requires_grad"] = any(p.requires_grad for p in ref_policy.gpt.parameters())
+    res["ref_main_grad"] = any(hasattr(p, "main_grad") for p in ref_policy.gpt.parameters())
+    lp_ref, _ = ref_policy.logprobs(batch)
+    lp_pol, _ = policy.logprobs(batch)
+    res["ref_lp_equal"] = bool(torch.equal(lp_ref, lp_pol))
+    try:
+        ref_policy.train_minibatch(batch, lambda rows, lp, ent: lp.sum())
+        res["ref_train_error"] = ""
+    except RuntimeError as err:
+        res["ref_train_error"] = str(err)
+    ref_policy.offload()
+    ref_policy.onload()
+    res["ref_lp_after_offload_equal"] = bool(torch.equal(ref_policy.logprobs(batch)[0], lp_ref))
+
+    policy.save(Path(args.out) / "policy")
+    res["meta_layer_spec"] = json.loads((Path(args.out) / "policy" / "megatron.json").read_text())["layer_spec"]
+    return res
+
+
 def launch(scenario: str, models: list[Path], out: Path, nproc: int, timeout: int = 300, **flags: object) -> list[dict]:
     """Run this worker (torchrun with ``nproc`` processes, or plain python for ``nproc=0``); per-rank results."""
     import socket
@@ -446,7 +565,7 @@ def test_non_finite_surrogate_skips_the_update(parallel_results: list[dict]) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--scenario", required=True, choices=["parallel", "checkpoint", "single", "gpu"])
+    parser.add_argument("--scenario", required=True, choices=["parallel", "checkpoint", "single", "gpu", "gpu_rules"])
     parser.add_argument("--models", nargs="+", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--tp", type=int, default=1)
@@ -460,6 +579,7 @@ def main() -> None:
         "checkpoint": scenario_checkpoint,
         "single": scenario_single,
         "gpu": scenario_gpu,
+        "gpu_rules": scenario_gpu_rules,
     }[args.scenario]
     result = fn(args, world, rank)
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -166,3 +166,18 @@ def test_cli_print_config_and_one_line_errors():
         assert bad.returncode == 2
         lines = bad.stderr.strip().splitlines()
         assert len(lines) == 1 and key in lines[0] and "Traceback" not in bad.stderr
+
+
+def test_generation_engines_fit_a_node():
+    base = config.RunConfig().model_dump(mode="json")
+    raw = {**base, "generation": {**base["generation"], "tensor_parallel_size": 3}}
+    with pytest.raises(
+        config.ConfigError, match=r"generation.tensor_parallel_size=3 must divide cluster.gpus_per_node=8"
+    ):
+        config.validate(raw)
+    raw = {**base, "generation": {**base["generation"], "tensor_parallel_size": 2, "backend": "hf"}}
+    with pytest.raises(config.ConfigError, match="needs generation.backend=vllm"):
+        config.validate(raw)
+    # Policy TP 2 with generation TP 1 (the 7B / 8B recipes) is a valid pairing: generation is split by engine.
+    raw = {**base, "policy": {**base["policy"], "tensor_parallel_size": 2}}
+    assert config.validate(raw).generation.tensor_parallel_size == 1

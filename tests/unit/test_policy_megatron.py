@@ -1,0 +1,138 @@
+"""GPU rules of the Megatron policy that a CPU can check: layer-spec choice, fused kernels, optimizer groups.
+
+The model-level checks (decay sets of both optimizer paths, cross-spec checkpoint load, forward-only reference,
+fusion flags against mcore's constructors) run in a Megatron process: tests/distributed/test_megatron_gpu_rules.py.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from nemo_disco.policy import megatron as mp
+
+# ----------------------------------------------------------------------------------------------------------------------
+# policy.transformer_engine
+
+
+def test_auto_uses_te_when_cuda_and_the_import_work():
+    assert mp.decide_transformer_engine("auto", cuda=True, import_error=None)[0] is True
+    assert mp.decide_transformer_engine(True, cuda=True, import_error=None)[0] is True
+
+
+def test_auto_falls_back_and_says_why():
+    use, why = mp.decide_transformer_engine("auto", cuda=True, import_error="OSError: libcudnn.so.9 not found")
+    assert use is False and "libcudnn.so.9 not found" in why and "policy.transformer_engine=true" in why
+    use, why = mp.decide_transformer_engine("auto", cuda=False, import_error=None)
+    assert use is False and "no CUDA" in why
+
+
+def test_true_fails_with_the_import_error():
+    with pytest.raises(RuntimeError, match="failed to import: OSError: libcudnn"):
+        mp.decide_transformer_engine(True, cuda=True, import_error="OSError: libcudnn.so.9 not found")
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+        mp.decide_transformer_engine(True, cuda=False, import_error=None)
+
+
+def test_false_is_the_local_spec_even_when_te_works():
+    assert mp.decide_transformer_engine(False, cuda=True, import_error=None)[0] is False
+
+
+def test_use_transformer_engine_on_this_cpu_machine(caplog):
+    with caplog.at_level(logging.INFO, logger=mp.__name__):
+        assert mp.use_transformer_engine("auto") is False
+    assert "local layer spec: no CUDA device" in caplog.text
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+        mp.use_transformer_engine(True)
+
+
+def test_config_accepts_auto_true_false():
+    from nemo_disco import config
+
+    for value, expected in (("auto", "auto"), (True, True), (False, False), ("true", True)):
+        raw = config.RunConfig().model_dump(mode="json")
+        raw["policy"]["transformer_engine"] = value
+        assert config.validate(raw).policy.transformer_engine == expected
+    raw["policy"]["transformer_engine"] = "sometimes"
+    with pytest.raises(config.ConfigError, match="policy.transformer_engine"):
+        config.validate(raw)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Fused kernels: only when their extension imports
+
+
+def test_fusions_need_their_modules_on_gpu():
+    none = mp.fusion_flags(on_gpu=True, use_te=True, imports=lambda name: False)
+    assert none["masked_softmax_fusion"] is False and none["gradient_accumulation_fusion"] is False
+    assert none["bias_activation_fusion"] is True and none["apply_rope_fusion"] is True  # mcore's own / TE's
+    every = mp.fusion_flags(on_gpu=True, use_te=False, imports=lambda name: True)
+    assert every["masked_softmax_fusion"] is True and every["gradient_accumulation_fusion"] is True
+    assert every["apply_rope_fusion"] is False
+    cpu = mp.fusion_flags(on_gpu=False, use_te=False, imports=lambda name: True)
+    assert not any(cpu.values())
+
+
+def test_fusion_flags_ask_for_the_apex_modules_mcore_imports():
+    asked: list[str] = []
+    mp.fusion_flags(on_gpu=True, use_te=False, imports=lambda name: asked.append(name) or True)
+    assert set(asked) == {
+        "scaled_masked_softmax_cuda",
+        "scaled_upper_triang_masked_softmax_cuda",
+        "scaled_softmax_cuda",
+        "fused_weight_gradient_mlp_cuda",
+    }
+
+
+def test_a_missing_fused_module_is_reported(caplog):
+    with caplog.at_level(logging.INFO, logger=mp.__name__):
+        assert mp.module_imports("scaled_masked_softmax_cuda") is False  # apex is never on a CPU machine
+    assert "scaled_masked_softmax_cuda unavailable (ModuleNotFoundError" in caplog.text
+    assert mp.module_imports("json") is True
+
+
+def test_masked_softmax_fusion_flag_decides_whether_mcore_softmax_runs():
+    """mcore's fused softmax imports apex's kernel for 16-bit inputs: with the flag on and no apex it raises.
+
+    The flag our config gives a GPU without apex is off, and that softmax runs.
+    """
+    from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.utils import attention_mask_func
+
+    def softmax(fusion: bool) -> torch.Tensor:
+        sm = FusedScaleMaskSoftmax(
+            input_in_fp16=False,
+            input_in_bf16=True,
+            attn_mask_type=AttnMaskType.padding,
+            scaled_masked_softmax_fusion=fusion,
+            mask_func=attention_mask_func,
+            softmax_in_fp32=True,
+            scale=None,
+        )
+        x = torch.randn(2, 4, 32, 32, dtype=torch.bfloat16)
+        return sm(x, torch.zeros(2, 1, 32, 32, dtype=torch.bool))
+
+    with pytest.raises(ModuleNotFoundError, match="scaled_masked_softmax_cuda"):
+        softmax(True)  # the old flag on a GPU (masked_softmax_fusion=on_gpu)
+    flags = mp.fusion_flags(on_gpu=True, use_te=False)  # this machine has no apex
+    assert softmax(flags["masked_softmax_fusion"]).shape == (2, 4, 32, 32)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Optimizer groups
+
+
+def test_set_group_hyperparameters_applies_the_multipliers():
+    groups = [{"wd_mult": 1.0, "lr_mult": 1.0}, {"wd_mult": 0.0}, {"lr_mult": 0.5}]
+    mp.set_group_hyperparameters(groups, lr=2e-6, weight_decay=0.01)
+    assert [g["weight_decay"] for g in groups] == [0.01, 0.0, 0.01]
+    assert [g["lr"] for g in groups] == [2e-6, 2e-6, 1e-6]
+
+
+def test_no_weight_decay_rule():
+    assert mp.no_weight_decay("decoder.layers.0.self_attention.linear_qkv.bias", torch.zeros(8))
+    assert mp.no_weight_decay("decoder.final_layernorm.weight", torch.zeros(8))
+    assert not mp.no_weight_decay("decoder.layers.0.mlp.linear_fc2.weight", torch.zeros(8, 8))
