@@ -47,14 +47,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from nemo_disco import checkpoint, distributed, losses
 from nemo_disco import config as config_lib
 from nemo_disco.batch import RolloutBatch, collate
 from nemo_disco.config import ConfigError, RunConfig
 from nemo_disco.data import PromptSampler, encode_prompts, load_problems
-from nemo_disco.generation.base import Generator, SamplingParams
+from nemo_disco.generation.base import EngineLayout, Generator, SamplingParams
 from nemo_disco.metrics import MetricsLogger, Timer
 from nemo_disco.policy import build_policy
 from nemo_disco.policy.base import Policy
@@ -92,6 +91,7 @@ class Trainer:
     logger: MetricsLogger
     loss: losses.Loss
     loss_hp: dict[str, Any]
+    engines: EngineLayout
     ref_policy: Policy | None = None
     # The generator's weights lag the policy's (vLLM starts from dummy weights; every update and a resume
     # change the policy): refit before the next generation.
@@ -193,7 +193,8 @@ def setup(cfg: RunConfig) -> Trainer:
     policy = build_policy(cfg, model_dir)
     hp = losses.loss_kwargs(cfg)
     loss = losses.get_loss(cfg.loss.name, **hp)
-    ref_policy = build_policy(cfg, model_dir) if loss.needs_reference else None
+    # The KL reference (GRPO family with kl_coef > 0): forward only, offloaded with the policy when colocated.
+    ref_policy = build_policy(cfg, model_dir, trainable=False) if loss.needs_reference else None
 
     step = 0
     latest = checkpoint.latest_checkpoint(run_dir) if cfg.checkpoint.resume else None
@@ -242,6 +243,7 @@ def setup(cfg: RunConfig) -> Trainer:
         logger=logger,
         loss=loss,
         loss_hp=hp,
+        engines=EngineLayout.of(env.rank, env.world_size, cfg.generation.tensor_parallel_size),
         ref_policy=ref_policy,
         step=step,
         dropped_prompts=dropped,
@@ -273,24 +275,25 @@ def _dp_slice(n: int, policy: Policy) -> slice:
     return slice(policy.dp_rank * per, (policy.dp_rank + 1) * per)
 
 
-def _gather_objects(obj: list, policy: Policy) -> list:
-    """Concatenate per-DP-rank lists in rank order (identical on every rank)."""
-    if policy.dp_size == 1:
-        return obj
-    parts: list = [None] * policy.dp_size
-    dist.all_gather_object(parts, obj, group=policy.dp_group)
-    return [x for p in parts for x in p]
+def _gather_engines(items: list, tr: Trainer) -> list:
+    """Concatenate the engine leaders' lists in engine order (identical on every rank)."""
+    parts = distributed.all_gather_object(items if tr.engines.leader else [])
+    return [x for part in parts for x in part]
 
 
-def _rank_seed(seed: int, tr: Trainer) -> int:
-    """The sampling seed of this data-parallel rank: ranks draw independent streams (one per TP/PP group)."""
-    return (seed + 1_000_033 * tr.policy.dp_rank) % (2**31)
+def _engine_seed(seed: int, tr: Trainer) -> int:
+    """The sampling seed of this process's engine: engines draw independent streams.
+
+    The ranks of one engine share theirs, as a tensor-parallel vLLM engine requires.
+    """
+    return (seed + 1_000_033 * tr.engines.index) % (2**31)
 
 
 def collect_rollouts(tr: Trainer, question_ids: list[int], seed: int) -> tuple[list[dict], dict[str, float]]:
     """Generate and grade ``rollouts_per_prompt`` responses for each question; identical result on every rank.
 
-    Each data-parallel rank generates for its share of the questions; the results are gathered.
+    Each generation engine generates for its share of the questions (every rank of a tensor-parallel engine
+    with the same requests), its leader grades them, and the leaders' records are gathered on every rank.
 
     Returns:
         One record per question (prompt ids, responses, generator log-probs, rewards, finish reasons),
@@ -298,14 +301,16 @@ def collect_rollouts(tr: Trainer, question_ids: list[int], seed: int) -> tuple[l
     """
     cfg, timer = tr.cfg, Timer()
     g = cfg.algorithm.rollouts_per_prompt
-    local = question_ids[_dp_slice(len(question_ids), tr.policy)]
+    local = question_ids[tr.engines.share(len(question_ids))]
     with timer("generate"):
-        sampling = _sampling(cfg, tr.tokenizer, _rank_seed(seed, tr))
-        rollouts = tr.generator.generate([tr.prompt_ids[q] for q in local], g, sampling)
+        sampling = _sampling(cfg, tr.tokenizer, _engine_seed(seed, tr))
+        rollouts = tr.generator.generate([tr.prompt_ids[q] for q in local], g, sampling) if local else []
+    if not tr.engines.leader:  # the engine's leader grades and reports its rollouts
+        local, rollouts = [], []
     texts = [tr.tokenizer.decode(r.token_ids, skip_special_tokens=True) for rs in rollouts for r in rs]
     truths = [tr.problems[q].answer for q in local for _ in range(g)]
     with timer("grade"):
-        scores, grade_metrics = tr.grader.score(texts, truths)
+        scores, grade_metrics = tr.grader.score(texts, truths) if texts else ([], {})
     records = []
     for k, (q, rs) in enumerate(zip(local, rollouts, strict=True)):
         records.append(
@@ -318,11 +323,11 @@ def collect_rollouts(tr: Trainer, question_ids: list[int], seed: int) -> tuple[l
                 "rewards": scores[k * g : (k + 1) * g],
             }
         )
-    records = _gather_objects(records, tr.policy)
-    stats = torch.tensor([grade_metrics.get("reward/timeouts", 0.0), grade_metrics.get("reward/errors", 0.0)])
-    if tr.policy.dp_size > 1:
-        dist.all_reduce(stats, group=tr.policy.dp_group)
-    return records, {**timer.metrics(), "reward/timeouts": float(stats[0]), "reward/errors": float(stats[1])}
+    records = _gather_engines(records, tr)
+    timeouts, errors = distributed.sum_floats(
+        [grade_metrics.get("reward/timeouts", 0.0), grade_metrics.get("reward/errors", 0.0)]
+    )
+    return records, {**timer.metrics(), "reward/timeouts": timeouts, "reward/errors": errors}
 
 
 def _shape_overlong(cfg: RunConfig, records: list[dict]) -> None:
@@ -349,14 +354,18 @@ def _colocated(tr: Trainer) -> bool:
 
 
 @contextlib.contextmanager
-def generation_phase(tr: Trainer, timer: Timer) -> Iterator[None]:
+def generation_phase(tr: Trainer, timer: Timer, colocated: bool | None = None) -> Iterator[None]:
     """Hand the GPU to the generator and back (the colocated order), refitting stale weights on the way.
 
-    Order: wake the engine's weights, stream the policy's weights in (refit), offload the policy
-    (weights, grads, optimizer), wake the KV cache, generate, put the engine to sleep, load the policy back.
+    Order: offload the policy's gradients and optimizer state (and the reference policy), wake the engine's
+    weights, stream the policy's weights in (refit), offload the policy's weights, wake the KV cache, generate,
+    put the engine to sleep, load the policy back. ``colocated`` None: vLLM on a GPU.
     """
-    colocated = _colocated(tr)
+    colocated = _colocated(tr) if colocated is None else colocated
     if colocated:
+        tr.policy.offload(weights=False)  # the refit reads the weights only: free the rest first
+        if tr.ref_policy is not None:
+            tr.ref_policy.offload()
         tr.generator.wake_up(["weights"])
     if tr.generator_stale:
         with timer("refit"):
@@ -413,6 +422,21 @@ def build_batch(tr: Trainer, records: list[dict]) -> RolloutBatch:
     return collate(prompts, responses, lps, gids, rewards, pad_id=tr.tokenizer.pad_token_id)
 
 
+def _reference_logprobs(tr: Trainer, local: RolloutBatch) -> torch.Tensor | None:
+    """The reference policy's log-probs of this rank's rows (None without a reference).
+
+    Colocated, the reference lives on the host between steps: it is loaded for its forward pass only.
+    """
+    if tr.ref_policy is None:
+        return None
+    tr.ref_policy.onload()
+    try:
+        return tr.ref_policy.logprobs(local)[0]
+    finally:
+        if _colocated(tr):
+            tr.ref_policy.offload()
+
+
 def _local_rows(n_rows: int, num_minibatches: int, policy: Policy) -> torch.Tensor:
     """This DP rank's rows of every mini-batch, mini-batch after mini-batch."""
     per_mb = n_rows // num_minibatches
@@ -442,7 +466,7 @@ def train_step(tr: Trainer) -> dict[str, float]:
         local = batch.select(_local_rows(len(batch), num_mb, policy))
         with timer("old_logprobs"):
             old_local, ent_local = policy.logprobs(local, entropy=True)
-            ref_local = tr.ref_policy.logprobs(local)[0] if tr.ref_policy is not None else None
+            ref_local = _reference_logprobs(tr, local)
         old = _gather_rows(old_local, policy, num_mb)
         entropy = _gather_rows(ent_local, policy, num_mb)
         mask = batch.response_mask
@@ -541,18 +565,18 @@ def _step_metrics(
 def validate(tr: Trainer, problems: list, prompt_ids: list[list[int]], samples: int, seed: int) -> float:
     """pass@1 over ``samples`` samples per problem (each DP rank a share; identical result on every rank)."""
     g = tr.cfg.generation
-    share = list(range(len(problems)))[tr.policy.dp_rank :: tr.policy.dp_size]
-    sampling = _sampling(tr.cfg, tr.tokenizer, _rank_seed(seed, tr))
+    share = list(range(len(problems)))[tr.engines.share(len(problems))]
+    sampling = _sampling(tr.cfg, tr.tokenizer, _engine_seed(seed, tr))
     sampling = SamplingParams(**{**sampling.__dict__, "top_p": g.top_p})
     with generation_phase(tr, Timer()):
-        rollouts = tr.generator.generate([prompt_ids[i] for i in share], samples, sampling)
+        rollouts = tr.generator.generate([prompt_ids[i] for i in share], samples, sampling) if share else []
+    if not tr.engines.leader:
+        share, rollouts = [], []
     texts = [tr.tokenizer.decode(r.token_ids, skip_special_tokens=True) for rs in rollouts for r in rs]
     truths = [problems[i].answer for i in share for _ in range(samples)]
-    scores, _ = tr.grader.score(texts, truths)
-    total = torch.tensor([sum(scores), float(len(scores))], dtype=torch.float64)
-    if tr.policy.dp_size > 1:
-        dist.all_reduce(total, group=tr.policy.dp_group)
-    return float(total[0] / total[1]) if total[1] else 0.0
+    scores, _ = tr.grader.score(texts, truths) if texts else ([], {})
+    correct, count = distributed.sum_floats([sum(scores), float(len(scores))])
+    return correct / count if count else 0.0
 
 
 def _val_set(tr: Trainer) -> tuple[list, list[list[int]]]:
@@ -586,10 +610,7 @@ def _install_signal_handlers(tr: Trainer) -> None:
 
 def _signal_agreed(tr: Trainer) -> int:
     """The signal any rank received (all ranks agree, so they checkpoint together); 0 if none."""
-    flag = torch.tensor([tr.signal_received[0] if tr.signal_received else 0])
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return int(flag)
+    return distributed.max_int(tr.signal_received[0] if tr.signal_received else 0)
 
 
 def train(cfg: RunConfig) -> dict[str, float]:

@@ -69,3 +69,37 @@ class Generator(Protocol):
     def shutdown(self) -> None:
         """Free everything."""
         ...
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """How the job's processes form generation engines: consecutive ranks, ``generation.tensor_parallel_size`` each.
+
+    Generation work is split by engine, not by the policy's data-parallel rank: with policy TP 2 and
+    generation TP 1 every process is an engine of its own, and two TP peers of the policy must not generate
+    the same prompts twice (nor build different batches from a non-batch-invariant engine).
+
+    Attributes:
+        index: this process's engine.
+        count: engines in the job.
+        leader: this process is its engine's first rank (it contributes the engine's rollouts).
+    """
+
+    index: int
+    count: int
+    leader: bool
+
+    @classmethod
+    def of(cls, rank: int, world_size: int, tensor_parallel_size: int) -> EngineLayout:
+        """The layout of process ``rank`` when engines have ``tensor_parallel_size`` consecutive ranks.
+
+        Raises:
+            ValueError: ``tensor_parallel_size`` does not divide ``world_size``.
+        """
+        if tensor_parallel_size < 1 or world_size % tensor_parallel_size:
+            raise ValueError(f"generation TP {tensor_parallel_size} does not divide the world size {world_size}")
+        return cls(rank // tensor_parallel_size, world_size // tensor_parallel_size, rank % tensor_parallel_size == 0)
+
+    def share(self, n: int) -> slice:
+        """This engine's contiguous share of ``n`` items (shares differ by at most one item)."""
+        return slice(self.index * n // self.count, (self.index + 1) * n // self.count)

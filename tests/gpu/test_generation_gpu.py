@@ -93,8 +93,10 @@ def test_vllm_tensor_parallel_2_under_torchrun(tmp_path):
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["greedy"] == ranks[1]["greedy"] and ranks[0]["sampled"] == ranks[1]["sampled"]
     for r in ranks:
-        assert r["greedy"] == r["hf_greedy"]
-        assert r["max_logprob_diff"] < 1e-3  # fp32 on both sides; GPU kernels differ from transformers'
+        # GPU kernels differ from transformers' (and may run matmuls in TF32): compare log-probs with a tolerance,
+        # not token sequences, which a near-tie can fork. Each greedy token is transformers' argmax within 1e-3.
+        assert r["greedy_gap"] < 1e-3
+        assert r["max_logprob_diff"] < 1e-3  # fp32 on both sides
         assert "different prompts" in r["mismatch_error"]
 
 

@@ -233,6 +233,13 @@ def _tp_worker(model_dir: str, out_dir: str) -> None:
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8)
         out = out[0, len(prompt) :].tolist()
         hf_greedy.append(out[: out.index(EOS) + 1] if EOS in out else out)
+    gaps = []  # along vLLM's greedy sequence: how far below transformers' argmax each chosen token's log-prob is
+    for prompt, toks in zip(PROMPTS, greedy, strict=True):
+        ids = torch.tensor([prompt + toks], device=device)
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float(), -1)  # [R, V]
+        chosen = logp.gather(-1, ids[0, len(prompt) :, None])[:, 0]
+        gaps.append(float((logp.max(-1).values - chosen).max()) if toks else 0.0)
     sp = SamplingParams(temperature=1.0, max_tokens=8, stop_token_ids=(EOS,), seed=5)
     sampled = [r for rs in gen.generate(PROMPTS, 2, sp) for r in rs]
     diffs = []
@@ -250,6 +257,7 @@ def _tp_worker(model_dir: str, out_dir: str) -> None:
     record = {
         "greedy": greedy,
         "hf_greedy": hf_greedy,
+        "greedy_gap": max(gaps),
         "sampled": [r.token_ids for r in sampled],
         "max_logprob_diff": max(diffs),
         "mismatch_error": mismatch_error,
