@@ -4,9 +4,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 VLLM_VENV := .venv-vllm
+MCORE_LATEST_VENV := .venv-mcore-latest
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-vllm demo test test-vllm lint bench clean
+.PHONY: setup setup-vllm setup-mcore-latest demo test test-vllm test-mcore-latest gpu-check-smoke lint bench clean
 
 setup: $(STAMP)
 
@@ -22,6 +23,10 @@ $(STAMP): pyproject.toml
 setup-vllm:
 	bash scripts/setup-vllm-venv.sh
 
+# Python 3.12 + the newest megatron-core (what GPU containers ship); see scripts/setup-mcore-latest-venv.sh.
+setup-mcore-latest:
+	bash scripts/setup-mcore-latest-venv.sh
+
 demo: setup
 	$(BIN)/nemo-disco train --config recipes/tiny-cpu.yaml
 
@@ -30,6 +35,14 @@ test: setup
 
 test-vllm: setup setup-vllm
 	$(VLLM_VENV)/bin/python -m pytest tests/vllm -m vllm $(PYTEST_ARGS)
+
+# The unit and distributed suites against megatron-core 0.19 on Python 3.12 (make test runs 0.16.1 on 3.11).
+test-mcore-latest: setup-mcore-latest
+	$(MCORE_LATEST_VENV)/bin/python -m pytest tests/unit tests/distributed -m "not vllm" -p no:cacheprovider $(PYTEST_ARGS)
+
+# The GPU validation's stages on CPU at tiny shapes (also part of make test); on a GPU: bash scripts/gpu-check.sh
+gpu-check-smoke: setup
+	PYTHON=$(BIN)/python bash scripts/gpu-check.sh --smoke --out runs/gpu-check-smoke
 
 lint: setup
 	$(BIN)/ruff check .
@@ -40,4 +53,4 @@ bench: setup
 	$(BIN)/python benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(MCORE_LATEST_VENV) runs .pytest_cache

@@ -1,13 +1,14 @@
-"""Megatron-Core 0.16.1 on a machine without CUDA: a testing and laptop aid, never used on GPU.
+"""Megatron-Core on a machine without CUDA (0.16.1; 0.17+ on Python 3.12): a testing and laptop aid, never on GPU.
 
 Megatron-Core hard-codes CUDA in a few places that a CPU run with gloo reaches: ``torch.cuda.current_device()``
 as the device of buffers (rotary frequencies, the global memory buffer, tensor-parallel gathers, pipeline
 p2p tensors), ``device="cuda"`` literals (the pipeline schedules' token counter, the grad-buffer warm-up),
-``torch.cuda.synchronize()`` around p2p communication, and the CUDA RNG tracker that forks dropout
-randomness. :func:`apply` patches exactly these, and only when ``torch.cuda.is_available()`` is False; it
-is idempotent. :func:`device_scope` is a context manager that maps ``device="cuda"`` factory arguments and
-``Tensor.cuda()`` to the CPU while Megatron code runs (a no-op with CUDA). The causal mask that mcore builds
-on CUDA (``get_default_causal_mask``) is avoided by always passing an explicit attention mask.
+``torch.cuda.synchronize()`` around p2p communication, ``torch.cuda.current_stream()`` in the DDP gradient
+sync of megatron-core >= 0.17, and the CUDA RNG tracker that forks dropout randomness. :func:`apply` patches
+exactly these, and only when ``torch.cuda.is_available()`` is False; it is idempotent. :func:`device_scope` is
+a context manager that maps ``device="cuda"`` factory arguments and ``Tensor.cuda()`` to the CPU while
+Megatron code runs (a no-op with CUDA). The causal mask that mcore builds on CUDA (``get_default_causal_mask``)
+is avoided by always passing an explicit attention mask.
 
 With these, GPTModel (local layer spec, ``use_cpu_initialization=True``) runs forward and backward at any
 TP x PP x DP over gloo, through the pipeline schedules and Megatron DDP. What stays GPU-only: the
@@ -92,11 +93,32 @@ def apply() -> bool:
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
     # p2p communication and process-group setup synchronise the (absent) CUDA stream.
     torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
+    # megatron-core >= 0.17's DDP gradient sync orders its work on the current stream.
+    torch.cuda.current_stream = lambda device=None: _NULL_STREAM  # type: ignore[assignment]
     # Expected on a CPU machine, once per import: say it once in the docs instead of at every start.
     warnings.filterwarnings("ignore", message="(Transformer Engine and Apex are|Apex is) not installed")
     _patch_rng_tracker()
     _APPLIED = True
     return True
+
+
+class _NullStream:
+    """The current CUDA stream of a machine without CUDA: ordering calls are no-ops (everything is synchronous)."""
+
+    def wait_event(self, event: object) -> None:  # noqa: D102
+        pass
+
+    def wait_stream(self, stream: object) -> None:  # noqa: D102
+        pass
+
+    def synchronize(self) -> None:  # noqa: D102
+        pass
+
+    def record_event(self, event: object = None) -> None:  # noqa: D102
+        return None
+
+
+_NULL_STREAM = _NullStream()
 
 
 def _patch_rng_tracker() -> None:
