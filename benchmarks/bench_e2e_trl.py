@@ -124,8 +124,21 @@ def _prompt_dataset(model_dir: Path, size: int) -> tuple[list[str], list[str]]:
     return texts, [problems[i].answer for i in kept]
 
 
-def child_trl(args: argparse.Namespace) -> dict[str, Any]:
-    """One TRL GRPOTrainer run with the same model, prompts, sizes, optimizer and grader."""
+def run_trl(
+    model_dir: Path,
+    tokens: int,
+    steps: int,
+    warmup: int,
+    *,
+    prompts_per_step: int = PROMPTS_PER_STEP,
+    rollouts_per_prompt: int = ROLLOUTS_PER_PROMPT,
+    bf16: bool = False,
+) -> dict[str, Any]:
+    """TRL's GRPOTrainer with the model, prompts, sizes, optimizer and grader of the nemo_disco side.
+
+    On the CPU in float32 (``bf16=False``), or on the GPU in bf16 (``bf16=True``, CUDA required).
+    ``warmup + steps`` optimizer steps; the first ``warmup`` are not timed.
+    """
     import torch
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
@@ -133,10 +146,11 @@ def child_trl(args: argparse.Namespace) -> dict[str, Any]:
 
     from nemo_disco.rewards import GraderPool
 
-    cfg = C.load_config(Path(tempfile.gettempdir()), nd_overrides(args.model_dir, "grpo", args.tokens, 1))
-    texts, answers = _prompt_dataset(args.model_dir, cfg.data.synthetic_size)
+    rollouts = prompts_per_step * rollouts_per_prompt
+    cfg = C.load_config(Path(tempfile.gettempdir()), nd_overrides(model_dir, "grpo", tokens, 1))
+    texts, answers = _prompt_dataset(model_dir, cfg.data.synthetic_size)
     dataset = Dataset.from_dict({"prompt": texts, "answer": answers})
-    tokenizer = AutoTokenizer.from_pretrained(str(args.model_dir), padding_side="left")
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), padding_side="left")
     grader = GraderPool(cfg.reward.grader, timeout_s=cfg.reward.timeout_s, workers=cfg.reward.workers)
     grade_s: list[float] = []
 
@@ -152,6 +166,8 @@ def child_trl(args: argparse.Namespace) -> dict[str, Any]:
         def _generate_single_turn(self, *a: Any, **k: Any) -> Any:
             t0 = time.perf_counter()
             out = super()._generate_single_turn(*a, **k)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
             gen_s.append(time.perf_counter() - t0)
             return out
 
@@ -166,20 +182,20 @@ def child_trl(args: argparse.Namespace) -> dict[str, Any]:
             if logs and "completions/mean_length" in logs:
                 lengths.append(float(logs["completions/mean_length"]))
 
-    total = args.warmup + args.steps
+    total = warmup + steps
     with tempfile.TemporaryDirectory(prefix="bench_trl_") as tmp:
         targs = GRPOConfig(
             output_dir=tmp,
-            use_cpu=True,
-            bf16=False,
+            use_cpu=not bf16,
+            bf16=bf16,
             fp16=False,
             seed=SEED,
             max_steps=total,
-            per_device_train_batch_size=_rollouts(),
+            per_device_train_batch_size=rollouts,
             gradient_accumulation_steps=1,
-            num_generations=ROLLOUTS_PER_PROMPT,
-            max_completion_length=args.tokens,
-            generation_kwargs={"min_new_tokens": args.tokens},
+            num_generations=rollouts_per_prompt,
+            max_completion_length=tokens,
+            generation_kwargs={"min_new_tokens": tokens},
             temperature=1.0,
             top_p=1.0,
             top_k=0,
@@ -200,10 +216,10 @@ def child_trl(args: argparse.Namespace) -> dict[str, Any]:
             save_strategy="no",
             disable_tqdm=True,
             dataloader_num_workers=0,
-            model_init_kwargs={"dtype": torch.float32},
+            model_init_kwargs={"dtype": torch.bfloat16 if bf16 else torch.float32},
         )
         trainer = Timed(
-            model=str(args.model_dir),
+            model=str(model_dir),
             reward_funcs=reward,
             args=targs,
             train_dataset=dataset,
@@ -217,17 +233,22 @@ def child_trl(args: argparse.Namespace) -> dict[str, Any]:
             grader.close()
         train_s = time.perf_counter() - t0
     # A step's wall time runs from the previous step's end (the first measured step starts at the last warm-up's).
-    walls = [b - a for a, b in zip(ends[args.warmup - 1 : -1], ends[args.warmup :], strict=True)]
+    walls = [b - a for a, b in zip(ends[warmup - 1 : -1], ends[warmup:], strict=True)]
     return {
         "kind": "trl",
-        "tokens": args.tokens,
+        "tokens": tokens,
         "train_s": train_s,
         "wall_s": walls,
         "s_per_step": statistics.median(walls),
-        "generate_s": statistics.median(gen_s[args.warmup :]),
-        "grade_s": statistics.median(grade_s[args.warmup :]),
-        "completion_tokens_per_step": statistics.median(lengths[args.warmup :]) * _rollouts(),
+        "generate_s": statistics.median(gen_s[warmup:]),
+        "grade_s": statistics.median(grade_s[warmup:]),
+        "completion_tokens_per_step": statistics.median(lengths[warmup:]) * rollouts,
     }
+
+
+def child_trl(args: argparse.Namespace) -> dict[str, Any]:
+    """One TRL GRPOTrainer run with the same model, prompts, sizes, optimizer and grader (CPU, float32)."""
+    return run_trl(args.model_dir, args.tokens, args.steps, args.warmup)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -1,9 +1,9 @@
 """Run every benchmark (``make bench``); each writes its figures to runs/bench/<name>.json.
 
 Order: step breakdown, memory, scaling, the TRL comparison, every other ``benchmarks/bench_*.py`` found (for
-example the chunked log-prob memory benchmark), and ``gpu_step.py`` (full sizes when a CUDA device is
-present, ``--smoke`` otherwise). ``--quick`` is passed to each script that accepts it. A failing benchmark is
-reported and the others still run; the exit code is 1 if any failed.
+example the chunked log-prob memory benchmark), and ``gpu_check.py`` (the GPU validation: full sizes when a
+CUDA device is present, ``--smoke`` otherwise). ``--quick`` is passed to each script that accepts it. A failing
+benchmark is reported and the others still run; the exit code is 1 if any failed.
 
 Run::
 
@@ -29,10 +29,10 @@ FIRST = ("bench_step_breakdown.py", "bench_memory.py", "bench_scaling.py", "benc
 
 
 def scripts() -> list[Path]:
-    """Every benchmark script, in run order (gpu_step.py last)."""
+    """Every benchmark script, in run order (gpu_check.py last)."""
     found = sorted(p.name for p in HERE.glob("bench_*.py"))
     ordered = [n for n in FIRST if n in found] + [n for n in found if n not in FIRST]
-    return [HERE / n for n in ordered] + [HERE / "gpu_step.py"]
+    return [HERE / n for n in ordered] + [HERE / "gpu_check.py"]
 
 
 def _accepts(script: Path, flag: str) -> bool:
@@ -60,9 +60,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.only and script.name not in args.only:
             continue
         cmd = [sys.executable, str(script)]
-        if script.name == "gpu_step.py":
+        if script.name == "gpu_check.py":
             cmd += [] if _gpu_present() else ["--smoke"]
-            cmd += ["--out", str(C.RESULTS / "gpu_step.json")]
+            cmd += ["--out", str(C.RESULTS / "gpu_check")]
         elif args.quick and _accepts(script, "--quick"):
             cmd.append("--quick")
         print(f"\n=== {' '.join(cmd)}", flush=True)

@@ -1,0 +1,694 @@
+"""GPU validation of the project's own GPU code: one command, independent stages, one JSON file each.
+
+Meant for one CUDA GPU with no network, torch and transformers installed, and the wheels that
+``scripts/gpu-check-wheels.sh`` prepares (megatron-core, pydantic, omegaconf, hydra-core, math-verify, trl ...)
+installed by ``scripts/gpu-check.sh``. No vLLM and no Transformer Engine are needed: what needs them is
+reported as skipped, never replaced silently. ``--smoke`` runs every stage on the CPU with tiny shapes
+(what CI runs, so the script cannot rot); its figures mean nothing.
+
+Stages (each in a process of its own, so one failure leaves the others standing; each writes
+``<out>/<stage>.json`` with ``status`` "ok", "failed" (the traceback's tail) or "skipped"):
+
+- ``collectives``: every helper of ``nemo_disco.distributed`` with the tensors the trainer gives it (host
+  tensors: reward counts, log-probs after ``.cpu()``, the signal flag, rollout records) on the default and
+  Megatron's data-parallel groups (NCCL on a GPU, one rank), and the defect they prevent: a host tensor
+  handed to NCCL directly raises.
+- ``logprob_parity``: ``MegatronPolicy`` (bf16, and fp32 with TF32 off) on a small Qwen2 (tied) and a small
+  Llama: per-token log-probs and entropy against transformers' fp32 forward; which layer spec and fusions ran.
+- ``grad_step``: fp32 (TF32 off): the exact gradient of a surrogate against transformers' autograd, one
+  optimizer update (mcore's optimizer on GPU) against a reference AdamW with the same decay groups and
+  clipping, and a non-finite surrogate that must leave the weights untouched.
+- ``offload_checkpoint``: bf16, with and without the distributed optimizer: three offload / onload rounds
+  (allocated memory after freeing gradients + optimizer state, after the weights, after onload; log-probs
+  bitwise equal after each onload), a dist-checkpoint round trip, the forward-only reference policy's memory,
+  and a Transformer Engine <-> local checkpoint load when TE imports.
+- ``trainer``: ``algorithm.train_step`` with the Megatron policy (bf16) and the transformers generator on a
+  random model of DeepSeek-R1-Distill-Qwen-1.5B's shape (fixed-length rollouts): step time and phases,
+  completion tokens/s, training-pass MFU against ``--peak-tflops`` (790 bf16 on an H200, measured), decode
+  tokens/s against the HBM bound (``--hbm-tbps``, 4.3 on an H200), peak memory, mismatch metrics.
+- ``trl``: TRL's GRPOTrainer on the same model, prompts, sizes and lengths (bf16, transformers generate), for
+  the ratio that ``summary.json`` reports next to ``trainer``.
+
+Run::
+
+    bash scripts/gpu-check.sh                 # on the GPU machine: results in $OUT (or --out DIR)
+    bash scripts/gpu-check.sh --smoke         # tiny shapes on CPU
+    python benchmarks/gpu_check.py --stages collectives,grad_step --out runs/gpu-check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common as C  # noqa: E402
+
+STAGES = ("collectives", "logprob_parity", "grad_step", "offload_checkpoint", "trainer", "trl")
+TEMPERATURE = 0.7
+TRAINER_SHAPE = {  # DeepSeek-R1-Distill-Qwen-1.5B's config.json (a Qwen2), random weights
+    "hidden_size": 1536,
+    "num_layers": 28,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 2,
+    "intermediate_size": 8960,
+    "vocab_size": 151936,
+    "tie_word_embeddings": False,
+}
+SMOKE_TRAINER_SHAPE = {**TRAINER_SHAPE, "hidden_size": 64, "num_layers": 2, "num_attention_heads": 4}
+SMOKE_TRAINER_SHAPE.update(intermediate_size=128, vocab_size=512)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Shared pieces
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+def _cuda() -> bool:
+    return _torch().cuda.is_available()
+
+
+def _strict_fp32() -> None:
+    """Full float32 matmuls (parity checks): TF32 would round to ~1e-3."""
+    torch = _torch()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+def _sync() -> None:
+    if _cuda():
+        _torch().cuda.synchronize()
+
+
+def _allocated() -> int | None:
+    if not _cuda():
+        return None
+    _sync()
+    return int(_torch().cuda.memory_allocated())
+
+
+def environment() -> dict[str, Any]:
+    """Device, library versions and the optional GPU modules (imported or the reason they are not)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    torch = _torch()
+    info: dict[str, Any] = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda}
+    for pkg in ("megatron-core", "transformers", "trl", "accelerate", "math-verify", "pydantic", "vllm"):
+        try:
+            info[pkg] = version(pkg)
+        except PackageNotFoundError:
+            info[pkg] = None
+    if _cuda():
+        p = torch.cuda.get_device_properties(0)
+        info["device"] = {"name": p.name, "capability": f"{p.major}.{p.minor}", "memory_gib": p.total_memory / 2**30}
+    else:
+        info["device"] = {"name": "cpu"}
+    from nemo_disco.policy import megatron as mp
+
+    info["transformer_engine_import_error"] = mp.te_import_error() if _cuda() else "not tried (no CUDA)"
+    info["fusions_on_this_machine"] = mp.fusion_flags(_cuda(), use_te=False)
+    return info
+
+
+def small_model(root: Path, architecture: str, tied: bool, smoke: bool) -> Path:
+    """A random small Qwen2 / Llama HF folder (char tokenizer): tiny on CPU, head_dim 64 on GPU."""
+    from nemo_disco.config import TinyModelConfig
+    from nemo_disco.tiny import build_model
+
+    shape = {} if smoke else {"hidden_size": 512, "num_attention_heads": 8, "num_layers": 4, "intermediate_size": 1408}
+    tiny = TinyModelConfig(architecture=architecture, tie_word_embeddings=tied, max_position_embeddings=512, **shape)
+    name = f"{architecture}_{'tied' if tied else 'untied'}"
+    return build_model(tiny, root / name, seed=0)
+
+
+def random_batch(smoke: bool, seed: int = 0) -> Any:
+    """Random prompts and responses (token ids 5..99 of the char tokenizer), one empty response."""
+    from nemo_disco.batch import collate
+
+    torch = _torch()
+    g = torch.Generator().manual_seed(seed)
+    n, (p_lo, p_hi), (r_lo, r_hi) = (8, (2, 7), (1, 8)) if smoke else (16, (8, 33), (16, 129))
+
+    def draw(lo: int, hi: int) -> list[int]:
+        return torch.randint(5, 100, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
+
+    prompts = [draw(p_lo, p_hi) for _ in range(n)]
+    responses = [draw(r_lo, r_hi) for _ in range(n)]
+    responses[3] = []
+    return collate(prompts, responses, [[0.0] * len(r) for r in responses], list(range(n)), [1.0] * n, pad_id=0)
+
+
+def run_config(model_dir: Path, run_dir: Path, **over: Any) -> Any:
+    """The exemplar recipe on one process with this model; ``over``: ``section.key`` -> value."""
+    from nemo_disco import config
+
+    overrides = [
+        "cluster.gpus_per_node=1",
+        f"policy.model_path={model_dir}",
+        f"logging.run_dir={run_dir}",
+        f"generation.temperature={TEMPERATURE}",
+        "algorithm.prompts_per_step=8",
+        "algorithm.minibatch_prompts=4",
+        "algorithm.rollouts_per_prompt=1",
+        "policy.microbatch_tokens=512",
+        "policy.logprob_chunk_size=64",
+    ]
+    overrides += [f"{k}={v}" for k, v in over.items()]
+    return config.load(C.ROOT / "recipes" / "disco.yaml", overrides)
+
+
+def coefficients(n: int) -> Any:
+    return _torch().linspace(-1.0, 1.0, n)
+
+
+def surrogate(coef: Any, ent_coef: float = 0.25) -> Callable:
+    """sum_i c_i * sum_t logp_it + ent_coef * sum entropy (a stand-in for any loss's surrogate)."""
+
+    def fn(rows, lp, ent):  # noqa: ANN001, ANN202
+        out = (coef.to(lp.device)[rows.to(lp.device)].unsqueeze(1) * lp).sum()
+        return out + ent_coef * ent.sum() if ent is not None else out
+
+    return fn
+
+
+def hf_reference(model_dir: Path, batch: Any, *, grads: bool) -> dict[str, Any]:
+    """transformers' fp32 forward one unpadded sequence at a time: log-probs, entropy, surrogate gradient."""
+    from transformers import AutoModelForCausalLM
+
+    torch = _torch()
+    device = "cuda" if _cuda() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device)
+    n, width = batch.response_ids.shape
+    lp, ent = torch.zeros(n, width), torch.zeros(n, width)
+    coef = coefficients(n)
+    model.zero_grad()
+    for i in range(n):
+        p = batch.prompt_ids[i][batch.prompt_mask[i]]
+        r = batch.response_ids[i][batch.response_mask[i]]
+        if len(r) == 0:
+            continue
+        with torch.set_grad_enabled(grads):
+            logits = model(input_ids=torch.cat([p, r]).unsqueeze(0).to(device)).logits[0] / TEMPERATURE
+            logp_all = torch.log_softmax(logits[len(p) - 1 : -1].float(), -1)
+            lpi = logp_all.gather(-1, r.to(device).unsqueeze(-1)).squeeze(-1)
+            enti = -(logp_all.exp() * logp_all).sum(-1)
+            if grads:
+                (coef[i] * lpi.sum() + 0.25 * enti.sum()).backward()
+        lp[i, : len(r)] = lpi.detach().cpu()
+        ent[i, : len(r)] = enti.detach().cpu()
+    out: dict[str, Any] = {"lp": lp, "ent": ent, "model": model}
+    if grads:
+        out["grads"] = {name: p.grad.detach().cpu().clone() for name, p in model.named_parameters()}
+    return out
+
+
+def _diff(a: Any, b: Any, mask: Any) -> dict[str, float]:
+    d = (a - b).abs()[mask]
+    return {"max": float(d.max()) if d.numel() else 0.0, "mean": float(d.mean()) if d.numel() else 0.0}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Stages
+
+
+def stage_collectives(args: argparse.Namespace) -> dict[str, Any]:
+    torch = _torch()
+    import torch.distributed as dist  # the check shows the raw defect; the package itself never does this
+
+    from nemo_disco import distributed
+    from nemo_disco.policy import cpu_compat
+    from nemo_disco.policy import megatron as mp
+
+    cpu_compat.apply()
+    mp.init_parallel(1, 1)
+    from megatron.core import parallel_state as ps
+
+    dp = ps.get_data_parallel_group()
+    res: dict[str, Any] = {
+        "default_backends": distributed.backend_devices(),
+        "data_parallel_backends": distributed.backend_devices(dp),
+    }
+    checks: dict[str, Any] = {}
+
+    def check(name: str, fn: Callable[[], Any], expect: Any) -> None:
+        try:
+            got = fn()
+            checks[name] = {"ok": got == expect, "got": got}
+        except Exception as err:  # noqa: BLE001
+            checks[name] = {"ok": False, "error": f"{type(err).__name__}: {err}"}
+
+    lp_host = torch.arange(12, dtype=torch.float32).view(3, 4)  # policy.logprobs(...) returns host tensors
+    check("reward_counts_sum_floats", lambda: distributed.sum_floats([1.0, 2.0], dp), [1.0, 2.0])
+    check("logprob_rows_all_gather_rows", lambda: distributed.all_gather_rows(lp_host, dp).tolist(), lp_host.tolist())
+    check("logprob_rows_stay_on_host", lambda: str(distributed.all_gather_rows(lp_host, dp).device), "cpu")
+    check("signal_max_int", lambda: distributed.max_int(10), 10)
+    check("skip_flag_any_rank", lambda: distributed.any_rank(True), True)
+    check("records_all_gather_object", lambda: distributed.all_gather_object([{"q": 1}]), [[{"q": 1}]])
+    check("broadcast_object", lambda: distributed.broadcast_object({"a": 1}, 0), {"a": 1})
+    host = torch.ones(3)
+    check("host_all_reduce_in_place", lambda: distributed.all_reduce(host, "sum", dp) is host, True)
+    if _cuda():
+        dev = torch.ones(3, device="cuda")
+        check("device_broadcast_in_place", lambda: distributed.broadcast(dev, 0, dp) is dev, True)
+        try:
+            dist.all_reduce(torch.ones(1), group=dp)
+            res["raw_host_tensor_on_nccl"] = "accepted (unexpected)"
+        except Exception as err:  # noqa: BLE001
+            res["raw_host_tensor_on_nccl"] = f"{type(err).__name__}: {str(err).splitlines()[0]}"
+    res["checks"] = checks
+    res["status"] = "ok" if all(c["ok"] for c in checks.values()) else "failed"
+    return res
+
+
+def _parity_one(model_dir: Path, dtype: str, batch: Any, ref: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    from nemo_disco.policy.megatron import MegatronPolicy
+
+    policy = MegatronPolicy(run_config(model_dir, run_dir, **{"policy.dtype": dtype}), model_dir)
+    t0 = time.perf_counter()
+    lp, ent = policy.logprobs(batch, entropy=True)
+    _sync()
+    mask = batch.response_mask
+    out = {
+        "layer_spec": policy.layer_spec,
+        "packed": policy.packed,
+        "logprob_diff": _diff(lp, ref["lp"], mask),
+        "entropy_diff": _diff(ent, ref["ent"], mask),
+        "forward_s": time.perf_counter() - t0,
+    }
+    del policy
+    return out
+
+
+def stage_logprob_parity(args: argparse.Namespace) -> dict[str, Any]:
+    _strict_fp32()
+    root = Path(tempfile.mkdtemp(prefix="gpu_check_parity_"))
+    batch = random_batch(args.smoke)
+    res: dict[str, Any] = {"tolerance": {"bfloat16": {"max": 0.15, "mean": 0.02}, "float32": {"max": 1e-4}}}
+    ok = True
+    for arch, tied in (("qwen2", True), ("llama", False)):
+        model_dir = small_model(root, arch, tied, args.smoke)
+        ref = hf_reference(model_dir, batch, grads=False)
+        del ref["model"]
+        per: dict[str, Any] = {}
+        for dtype in ("bfloat16", "float32"):
+            per[dtype] = r = _parity_one(model_dir, dtype, batch, ref, root / "run")
+            tol = res["tolerance"][dtype]
+            r["within_tolerance"] = all(
+                r[k]["max"] <= tol["max"] and r[k]["mean"] <= tol.get("mean", math.inf)
+                for k in ("logprob_diff", "entropy_diff")
+            )
+            ok = ok and r["within_tolerance"]
+        res[f"{arch}_{'tied' if tied else 'untied'}"] = per
+    res["status"] = "ok" if ok else "failed"
+    return res
+
+
+def stage_grad_step(args: argparse.Namespace) -> dict[str, Any]:
+    _strict_fp32()
+    torch = _torch()
+    from nemo_disco.policy.megatron import MegatronPolicy
+
+    root = Path(tempfile.mkdtemp(prefix="gpu_check_grad_"))
+    model_dir = small_model(root, "qwen2", True, args.smoke)
+    batch = random_batch(args.smoke)
+    over = {
+        "policy.dtype": "float32",
+        "policy.lr": 1e-3,
+        "policy.weight_decay": 0.1,
+        "policy.adam_eps": 1e-3,  # a smooth first Adam step (tiny gradient components would amplify rounding)
+        "policy.grad_clip": 0.5,
+    }
+    policy = MegatronPolicy(run_config(model_dir, root / "run", **over), model_dir)
+    coef = coefficients(len(batch))
+    ref = hf_reference(model_dir, batch, grads=True)
+    policy.accumulate_gradients(batch, surrogate(coef), entropy=True)
+    grads = {name: g.detach().cpu().clone() for name, g in policy.export_gradients()}
+    scale = max(float(g.abs().max()) for g in ref["grads"].values())
+    grad_diff = max(float((grads[k] - ref["grads"][k]).abs().max()) for k in ref["grads"])
+    # One update against a reference AdamW over transformers' parameters with the same decay groups and clipping.
+    model = ref["model"]
+    params = [p for _, p in model.named_parameters()]
+    norm = float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in params)))
+    coeff = min(1.0, 0.5 / (norm + 1e-6))
+    for p in params:
+        p.grad.mul_(coeff)
+    groups = [
+        {"params": [p for n, p in model.named_parameters() if not (n.endswith(".bias") or p.dim() == 1)]},
+        {
+            "params": [p for n, p in model.named_parameters() if n.endswith(".bias") or p.dim() == 1],
+            "weight_decay": 0.0,
+        },
+    ]
+    reference = torch.optim.AdamW(groups, lr=1e-3, eps=1e-3, weight_decay=0.1, betas=(0.9, 0.999))
+    reference.step()
+    out = policy.train_minibatch(batch, surrogate(coef), entropy=True)
+    after = {name: t.detach().cpu().clone() for name, t in policy.export_weights()}
+    expected = {name: p.detach().cpu() for name, p in model.named_parameters()}
+    weight_diff = max(float((after[k] - expected[k]).abs().max()) for k in expected)
+    nan = policy.train_minibatch(batch, lambda rows, lp, ent: lp.sum() * float("nan"), entropy=True)
+    unchanged = all(torch.equal(t.detach().cpu(), after[k]) for k, t in policy.export_weights())
+    res = {
+        "optimizer": type(policy.optimizer).__name__,
+        "distributed_optimizer": bool(policy.model.ddp_config.use_distributed_optimizer),
+        "grad_max_abs_diff": grad_diff,
+        "grad_scale": scale,
+        "grad_norm": out["grad_norm"],
+        "reference_grad_norm": norm,
+        "weights_max_abs_diff_after_step": weight_diff,
+        "nan_skipped": nan["skipped"],
+        "nan_weights_unchanged": unchanged,
+        "updates": policy.updates,
+    }
+    ok = grad_diff <= 1e-4 * max(scale, 1.0) and weight_diff <= 1e-5 and nan["skipped"] == 1.0 and unchanged
+    res["status"] = "ok" if ok and policy.updates == 1 else "failed"
+    return res
+
+
+def _offload_rounds(policy: Any, batch: Any, rounds: int = 3) -> dict[str, Any]:
+    torch = _torch()
+    lp0, _ = policy.logprobs(batch)
+    readings = []
+    equal = True
+    for _ in range(rounds):
+        r = {"resident": _allocated()}
+        policy.offload(weights=False)
+        r["after_optimizer_offload"] = _allocated()
+        policy.offload()
+        r["after_weights_offload"] = _allocated()
+        policy.onload()
+        r["after_onload"] = _allocated()
+        lp, _ = policy.logprobs(batch)
+        equal = equal and bool(torch.equal(lp, lp0))
+        readings.append(r)
+    return {"rounds": readings, "logprobs_bitwise_equal_after_onload": equal}
+
+
+def stage_offload_checkpoint(args: argparse.Namespace) -> dict[str, Any]:
+    torch = _torch()
+    from nemo_disco.policy.megatron import MegatronPolicy
+
+    root = Path(tempfile.mkdtemp(prefix="gpu_check_offload_"))
+    model_dir = small_model(root, "qwen2", False, args.smoke)
+    batch = random_batch(args.smoke)
+    coef = coefficients(len(batch))
+    res: dict[str, Any] = {}
+    ok = True
+    for dist_opt in (True, False):
+        over = {"policy.dtype": "bfloat16", "policy.use_distributed_optimizer": dist_opt}
+        cfg = run_config(model_dir, root / "run", **over)
+        before = _allocated()
+        policy = MegatronPolicy(cfg, model_dir)
+        policy.train_minibatch(batch, surrogate(coef), entropy=True)  # optimizer state exists from here on
+        r: dict[str, Any] = {"policy_bytes": None if before is None else _allocated() - before}
+        r.update(_offload_rounds(policy, batch))
+        if _cuda():
+            first = r["rounds"][0]
+            r["freed_by_optimizer_offload"] = first["resident"] - first["after_optimizer_offload"]
+            r["freed_by_weights_offload"] = first["after_optimizer_offload"] - first["after_weights_offload"]
+            ok = ok and r["freed_by_optimizer_offload"] > 0 and r["freed_by_weights_offload"] > 0
+        ok = ok and r["logprobs_bitwise_equal_after_onload"]
+        ckpt = root / f"ckpt_{dist_opt}"
+        lp_saved, _ = policy.logprobs(batch)
+        policy.save(ckpt)
+        other = MegatronPolicy(cfg, model_dir)
+        other.load(ckpt)
+        r["checkpoint_logprobs_equal"] = bool(torch.equal(other.logprobs(batch)[0], lp_saved))
+        r["checkpoint_updates"] = other.updates
+        # The next update from the restored optimizer state matches the original's (GPU backward kernels may
+        # accumulate in a different order: reported, not required to be bitwise).
+        a = policy.train_minibatch(batch, surrogate(coef), entropy=True)
+        b = other.train_minibatch(batch, surrogate(coef), entropy=True)
+        r["next_update_grad_norm"] = [a["grad_norm"], b["grad_norm"]]
+        r["next_update_weights_max_abs_diff"] = max(
+            float((x.float() - y.float()).abs().max())
+            for (_, x), (_, y) in zip(policy.export_weights(), other.export_weights(), strict=True)
+        )
+        same_norm = math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-3)
+        ok = ok and r["checkpoint_logprobs_equal"] and r["checkpoint_updates"] == 1 and same_norm
+        res[f"distributed_optimizer_{str(dist_opt).lower()}"] = r
+        del policy, other
+        if _cuda():
+            torch.cuda.empty_cache()
+    before = _allocated()
+    ref_policy = MegatronPolicy(
+        run_config(model_dir, root / "run", **{"policy.dtype": "bfloat16"}), model_dir, trainable=False
+    )
+    res["reference_policy"] = {
+        "bytes": None if before is None else _allocated() - before,
+        **_offload_rounds(ref_policy, batch, rounds=1),
+    }
+    del ref_policy
+    res["te_cross_spec"] = _te_cross_spec(model_dir, root, batch)
+    res["status"] = "ok" if ok else "failed"
+    return res
+
+
+def _te_cross_spec(model_dir: Path, root: Path, batch: Any) -> dict[str, Any]:
+    """A checkpoint written by a Transformer Engine model loads into a local-spec one and back (TE only)."""
+    from nemo_disco.policy import megatron as mp
+
+    if not _cuda() or mp.te_import_error() is not None:
+        return {"status": "skipped", "why": mp.te_import_error() or "no CUDA"}
+    te = mp.MegatronPolicy(run_config(model_dir, root / "run", **{"policy.transformer_engine": True}), model_dir)
+    te.save(root / "te_ckpt")
+    lp_te, _ = te.logprobs(batch)
+    local = mp.MegatronPolicy(run_config(model_dir, root / "run", **{"policy.transformer_engine": False}), model_dir)
+    local.load(root / "te_ckpt")
+    lp_local, _ = local.logprobs(batch)
+    local.save(root / "local_ckpt")
+    te.load(root / "local_ckpt")
+    return {
+        "status": "ok",
+        "te_to_local_logprob_diff": _diff(lp_local, lp_te, batch.response_mask),
+        "local_to_te_logprob_diff": _diff(te.logprobs(batch)[0], lp_te, batch.response_mask),
+    }
+
+
+def trainer_model(root: Path, smoke: bool) -> Path:
+    """A random model of DeepSeek-R1-Distill-Qwen-1.5B's shape (bf16 on GPU) with the char tokenizer."""
+    torch = _torch()
+    from transformers import AutoModelForCausalLM
+
+    from nemo_disco.config import TinyModelConfig
+    from nemo_disco.tiny import build_tokenizer, hf_config
+
+    shape = dict(SMOKE_TRAINER_SHAPE if smoke else TRAINER_SHAPE)
+    vocab = shape.pop("vocab_size")
+    out = root / "r1_qwen_1p5b_shape"
+    tok = build_tokenizer(out)
+    config = hf_config(
+        TinyModelConfig(architecture="qwen2", max_position_embeddings=4096, **shape),
+        vocab_size=vocab,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    dtype = torch.float32 if smoke else torch.bfloat16
+    torch.manual_seed(0)
+    with torch.device("cuda" if _cuda() else "cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.config.dtype = "float32" if smoke else "bfloat16"
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def _trainer_sizes(args: argparse.Namespace) -> dict[str, int]:
+    return (
+        {"prompts": 4, "rollouts": 4, "tokens": 8, "steps": 1}
+        if args.smoke
+        else {
+            "prompts": 16,
+            "rollouts": 8,
+            "tokens": 256,
+            "steps": 2,
+        }
+    )
+
+
+def _matmul_params(shape: dict[str, int]) -> int:
+    h, layers, ffn, vocab = shape["hidden_size"], shape["num_layers"], shape["intermediate_size"], shape["vocab_size"]
+    kv = h // shape["num_attention_heads"] * shape["num_key_value_heads"]
+    return layers * (2 * h * h + 2 * h * kv + 3 * h * ffn) + h * vocab
+
+
+def stage_trainer(args: argparse.Namespace) -> dict[str, Any]:
+    torch = _torch()
+    from transformers import AutoTokenizer
+
+    from nemo_disco.data import encode_prompts, load_problems
+
+    sizes = _trainer_sizes(args)
+    root = Path(tempfile.mkdtemp(prefix="gpu_check_trainer_"))
+    model_dir = trainer_model(root, args.smoke)
+    import bench_e2e_trl as E
+
+    over = E.nd_overrides(model_dir, "disco", sizes["tokens"], 1 + sizes["steps"])
+    over += [
+        f"algorithm.prompts_per_step={sizes['prompts']}",
+        f"algorithm.minibatch_prompts={sizes['prompts']}",
+        f"algorithm.rollouts_per_prompt={sizes['rollouts']}",
+        f"generation.hf_batch_size={sizes['prompts'] * sizes['rollouts']}",
+        "policy.backend=megatron",
+        "policy.dtype=" + ("float32" if args.smoke else "bfloat16"),
+        "policy.microbatch_tokens=16384",
+        "policy.logprob_chunk_size=1024",
+        "cluster.gpus_per_node=1",
+    ]
+    cfg = C.load_config(root / "run", over)
+    if _cuda():
+        torch.cuda.reset_peak_memory_stats()
+    out = C.nd_steps(cfg, sizes["steps"], 1, fixed_length=True)
+    phases = [C.step_phases(m) for m in out["metrics"]]
+    step_s = statistics.median(out["wall_s"])
+    rollouts = sizes["prompts"] * sizes["rollouts"]
+    completion = statistics.median(out["completion_tokens"])
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    problems, _ = load_problems(cfg.data.train, synthetic_size=cfg.data.synthetic_size, seed=cfg.data.seed)
+    ids, _, _ = encode_prompts(tok, problems, template=cfg.data.prompt_template, use_chat_template=False)
+    # The prompts' mean length stands for the sampled ones' (the sampler draws uniformly from them).
+    prompt_mean = statistics.fmean(len(x) for x in ids)
+    shape = SMOKE_TRAINER_SHAPE if args.smoke else TRAINER_SHAPE
+    n_matmul = _matmul_params(shape)
+    tokens = rollouts * (prompt_mean + sizes["tokens"])
+    # One update per step: the backward pass (forward + backward, 6 N per token) over every token; the old
+    # log-probs are a forward pass (2 N per token). Attention FLOPs are left out (short sequences here).
+    train_s = statistics.median(p["train"] for p in phases)
+    logprob_s = statistics.median(p["old_logprobs"] for p in phases)
+    generate_s = statistics.median(p["generate"] for p in phases)
+    peak = args.peak_tflops * 1e12
+    weight_bytes = 2 * (n_matmul + shape["hidden_size"] * shape["vocab_size"])  # bf16 weights incl. the embedding
+    head_dim = shape["hidden_size"] // shape["num_attention_heads"]
+    kv_per_token = 2 * shape["num_layers"] * shape["num_key_value_heads"] * head_dim * 2  # K and V, bf16
+    ctx = prompt_mean + sizes["tokens"] / 2
+    bound_s = sizes["tokens"] * (weight_bytes + rollouts * ctx * kv_per_token) / (args.hbm_tbps * 1e12)
+    metrics = out["metrics"][-1]
+    res = {
+        "sizes": sizes,
+        "model_matmul_params": n_matmul,
+        "step_s": step_s,
+        "phases_s": {k: statistics.median(p[k] for p in phases) for k in phases[0]},
+        "completion_tokens_per_step": completion,
+        "completion_tokens_per_s": completion / step_s,
+        "decode_tokens_per_s": rollouts * sizes["tokens"] / generate_s,
+        "decode_hbm_bound_tokens_per_s": rollouts * sizes["tokens"] / bound_s,
+        "train_pass_mfu": 6 * n_matmul * tokens / train_s / peak,
+        "logprob_pass_mfu": 2 * n_matmul * tokens / logprob_s / peak,
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if _cuda() else None,
+        "mismatch": {k: v for k, v in metrics.items() if k.startswith("mismatch/")},
+        "finite": all(math.isfinite(v) for m in out["metrics"] for v in m.values()),
+    }
+    res["status"] = "ok" if res["finite"] else "failed"
+    (Path(args.out) / "trainer_model.txt").write_text(str(model_dir))
+    return res
+
+
+def stage_trl(args: argparse.Namespace) -> dict[str, Any]:
+    try:
+        import trl  # noqa: F401
+    except ImportError as err:
+        return {"status": "skipped", "why": f"trl does not import: {err}"}
+    import bench_e2e_trl as E
+
+    sizes = _trainer_sizes(args)
+    model_dir = trainer_model(Path(tempfile.mkdtemp(prefix="gpu_check_trl_")), args.smoke)
+    out = E.run_trl(
+        model_dir,
+        sizes["tokens"],
+        sizes["steps"],
+        1,
+        prompts_per_step=sizes["prompts"],
+        rollouts_per_prompt=sizes["rollouts"],
+        bf16=_cuda(),
+    )
+    out["completion_tokens_per_s"] = out["completion_tokens_per_step"] / out["s_per_step"]
+    out["status"] = "ok"
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Driver
+
+
+def run_stage(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Run one stage in this process; never raises (a failure is the result)."""
+    t0 = time.perf_counter()
+    try:
+        res = globals()[f"stage_{name}"](args)
+    except Exception as err:  # noqa: BLE001
+        res = {"status": "failed", "error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-4000:]}
+    res["stage"] = name
+    res["wall_s"] = time.perf_counter() - t0
+    return res
+
+
+def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Per-stage status and the headline figures, with the trainer / TRL ratio."""
+    out: dict[str, Any] = {"status": {k: v.get("status") for k, v in results.items()}}
+    tr, trl = results.get("trainer", {}), results.get("trl", {})
+    if tr.get("status") == "ok" and trl.get("status") == "ok":
+        out["completion_tokens_per_s_vs_trl"] = tr["completion_tokens_per_s"] / trl["completion_tokens_per_s"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (CI)")
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or C.ROOT / "runs" / "gpu-check"))
+    ap.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
+    ap.add_argument("--stage", choices=STAGES, help=argparse.SUPPRESS)
+    ap.add_argument("--stage-timeout", type=int, default=300, help="seconds per stage process")
+    ap.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 matmul peak for MFU (H200: 790)")
+    ap.add_argument("--hbm-tbps", type=float, default=4.3, help="HBM bandwidth for the decode bound (H200: 4.3)")
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.stage:  # a child: one stage, one JSON file
+        (args.out / f"{args.stage}.json").write_text(json.dumps(run_stage(args.stage, args), indent=1, default=str))
+        return 0
+    stages = [s for s in args.stages.split(",") if s]
+    unknown = sorted(set(stages) - set(STAGES))
+    if unknown:
+        ap.error(f"unknown stage(s) {unknown}; choose from {list(STAGES)}")
+    (args.out / "environment.json").write_text(json.dumps(environment(), indent=1, default=str))
+    results: dict[str, dict[str, Any]] = {}
+    for name in stages:
+        cmd = [sys.executable, __file__, "--stage", name, "--out", str(args.out)]
+        cmd += ["--peak-tflops", str(args.peak_tflops), "--hbm-tbps", str(args.hbm_tbps)]
+        cmd += ["--smoke"] if args.smoke else []
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.stage_timeout)
+            log = proc.stdout + proc.stderr
+        except subprocess.TimeoutExpired as err:
+            log = f"timed out after {args.stage_timeout} s\n{err.stdout or ''}{err.stderr or ''}"
+        (args.out / f"{name}.log").write_text(log if isinstance(log, str) else log.decode(errors="replace"))
+        path = args.out / f"{name}.json"
+        if path.is_file():
+            results[name] = json.loads(path.read_text())
+        else:
+            results[name] = {"stage": name, "status": "failed", "error": f"no result; see {name}.log"}
+            path.write_text(json.dumps(results[name], indent=1))
+        print(f"gpu-check {name:20s} {results[name]['status']:8s} {time.perf_counter() - t0:7.1f} s", flush=True)
+    summary = summarize(results)
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    print("GPU_CHECK_SUMMARY " + json.dumps(summary, default=str), flush=True)
+    return 0 if all(v in ("ok", "skipped") for v in summary["status"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
