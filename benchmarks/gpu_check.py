@@ -58,6 +58,7 @@ import _common as C  # noqa: E402
 
 STAGES = ("collectives", "logprob_parity", "grad_step", "offload_checkpoint", "trainer", "trl")
 TEMPERATURE = 0.7
+ENT_COEF = 0.25  # weight of the entropy in the check surrogate
 TRAINER_SHAPE = {  # DeepSeek-R1-Distill-Qwen-1.5B's config.json (a Qwen2), random weights
     "hidden_size": 1536,
     "num_layers": 28,
@@ -178,7 +179,7 @@ def coefficients(n: int) -> Any:
     return _torch().linspace(-1.0, 1.0, n)
 
 
-def surrogate(coef: Any, ent_coef: float = 0.25) -> Callable:
+def surrogate(coef: Any, ent_coef: float = ENT_COEF) -> Callable:
     """sum_i c_i * sum_t logp_it + ent_coef * sum entropy (a stand-in for any loss's surrogate)."""
 
     def fn(rows, lp, ent):  # noqa: ANN001, ANN202
@@ -210,7 +211,7 @@ def hf_reference(model_dir: Path, batch: Any, *, grads: bool) -> dict[str, Any]:
             lpi = logp_all.gather(-1, r.to(device).unsqueeze(-1)).squeeze(-1)
             enti = -(logp_all.exp() * logp_all).sum(-1)
             if grads:
-                (coef[i] * lpi.sum() + 0.25 * enti.sum()).backward()
+                (coef[i] * lpi.sum() + ENT_COEF * enti.sum()).backward()
         lp[i, : len(r)] = lpi.detach().cpu()
         ent[i, : len(r)] = enti.detach().cpu()
     out: dict[str, Any] = {"lp": lp, "ent": ent, "model": model}

@@ -2,10 +2,12 @@
 
 One step::
 
-    refit: stream the policy's weights (HF names) into the generator (colocated: wake weights, refit,
-           offload the policy, wake the KV cache; after generation the engine sleeps, the policy comes back)
+    refit: stream the policy's weights (HF names) into the generator (colocated: offload the policy's
+           gradients and optimizer state, wake weights, refit, offload the policy's weights, wake the KV cache;
+           after generation the engine sleeps, the policy comes back)
     prompts (algorithm.prompts_per_step questions, deterministic resumable order)
-     -> generator: rollouts_per_prompt responses each, with the generator's token log-probs
+     -> generator: rollouts_per_prompt responses each, with the generator's token log-probs (each generation
+        engine, generation.tensor_parallel_size consecutive ranks, takes a share of the questions)
      -> rewards: math grading in a process pool (hard per-item timeout)
      -> policy.logprobs (no grad): pi_old's log-probs, frozen for the whole step
      -> mini-batches of whole questions (minibatch_prompts; prompts_per_step / minibatch_prompts updates)
@@ -563,7 +565,7 @@ def _step_metrics(
 
 
 def validate(tr: Trainer, problems: list, prompt_ids: list[list[int]], samples: int, seed: int) -> float:
-    """pass@1 over ``samples`` samples per problem (each DP rank a share; identical result on every rank)."""
+    """pass@1 over ``samples`` samples per problem (each generation engine a share; identical on every rank)."""
     g = tr.cfg.generation
     share = list(range(len(problems)))[tr.engines.share(len(problems))]
     sampling = _sampling(tr.cfg, tr.tokenizer, _engine_seed(seed, tr))

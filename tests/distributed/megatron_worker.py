@@ -84,29 +84,18 @@ def surrogate(coef: torch.Tensor, global_rows: torch.Tensor | None = None):  # n
 
 
 def hf_reference(model_dir: Path, batch) -> dict:  # noqa: ANN001
-    """transformers' own forward, one unpadded sequence at a time: log-probs, entropy, gradient of the surrogate."""
-    from transformers import AutoModelForCausalLM
+    """transformers' own forward, one unpadded sequence at a time: log-probs, entropy, gradient of the surrogate.
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    n, width = batch.response_ids.shape
-    lp = torch.zeros(n, width)
-    ent = torch.zeros(n, width)
-    coef = coefficients(n)
-    model.zero_grad()
-    for i in range(n):
-        p = batch.prompt_ids[i][batch.prompt_mask[i]]
-        r = batch.response_ids[i][batch.response_mask[i]]
-        if len(r) == 0:
-            continue
-        logits = model(input_ids=torch.cat([p, r]).unsqueeze(0)).logits[0] / TEMPERATURE
-        logp_all = torch.log_softmax(logits[len(p) - 1 : -1], -1)  # [r, V]
-        lpi = logp_all.gather(-1, r.unsqueeze(-1)).squeeze(-1)
-        enti = -(logp_all.exp() * logp_all).sum(-1)
-        (coef[i] * lpi.sum() + ENT_COEF * enti.sum()).backward()
-        lp[i, : len(r)] = lpi.detach()
-        ent[i, : len(r)] = enti.detach()
-    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
-    return {"lp": lp, "ent": ent, "grads": grads}
+    The GPU validation's reference (benchmarks/gpu_check.py), with the same temperature and surrogate as here.
+    """
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import gpu_check
+
+    assert (gpu_check.TEMPERATURE, gpu_check.ENT_COEF) == (TEMPERATURE, ENT_COEF)
+    ref = gpu_check.hf_reference(model_dir, batch, grads=True)
+    return {"lp": ref["lp"], "ent": ref["ent"], "grads": ref["grads"]}
 
 
 def max_diff(a: dict, b: dict) -> float:
