@@ -1,6 +1,7 @@
 """``nemo-disco train | eval | convert | plot``.
 
-Bad input (a recipe key, a file, a row) ends with one line on stderr and exit code 2, never a traceback.
+Bad input (a recipe key, a file, a row, a model or data source that cannot be loaded) ends with one line on
+stderr and exit code 2, never a traceback.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ def _train(args: argparse.Namespace) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(config_lib.to_yaml(cfg), end="")
         return 0
+    _check_sources(cfg)
     from nemo_disco import algorithm
 
     try:
@@ -37,6 +39,20 @@ def _train(args: argparse.Namespace) -> int:
     if os.environ.get("RANK", "0") == "0":
         _report(cfg)
     return 0
+
+
+def _check_sources(cfg: config_lib.RunConfig) -> None:
+    """Fail in seconds, before any model is built, when the model or a data source cannot be loaded.
+
+    Loads ``data.train`` and ``data.val`` as training will (a hub dataset is cached by the load); each failure
+    is one line naming the source and what was tried.
+    """
+    from nemo_disco.data import load_problems
+
+    kwargs = {"split": cfg.data.split, "synthetic_size": cfg.data.synthetic_size, "seed": cfg.data.seed}
+    load_problems(cfg.data.train, on_bad_row=cfg.data.on_bad_row, **kwargs)
+    if cfg.data.val:
+        load_problems(cfg.data.val, on_bad_row="skip", **kwargs)
 
 
 def _report(cfg: config_lib.RunConfig) -> None:
