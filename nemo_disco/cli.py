@@ -1,4 +1,4 @@
-"""``nemo-disco train | eval | compare | convert | plot``.
+"""``nemo-disco train | eval | compare | data prepare | convert | plot``.
 
 Bad input (a recipe key, a file, a row, a model or data source that cannot be loaded) ends with one line on
 stderr and exit code 2, never a traceback.
@@ -208,6 +208,30 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _data_prepare(args: argparse.Namespace) -> int:
+    from nemo_disco import prepare
+
+    benchmarks = [b for b in args.benchmarks.split(",") if b]
+    report = prepare.prepare(
+        args.source,
+        args.out,
+        split=args.split,
+        problem_key=args.problem_column,
+        answer_key=args.answer_column,
+        dedup=not args.keep_duplicates,
+        check_answers=not args.no_answer_check,
+        grader=args.grader,
+        workers=args.workers,
+        timeout_s=args.timeout,
+        benchmarks=benchmarks,
+        drop_overlap=args.drop_overlap,
+        strict=args.strict,
+    )
+    print(report.to_text(), end="")
+    print(f"report: {prepare.report_path(args.out)}")
+    return 0
+
+
 def _convert(args: argparse.Namespace) -> int:
     from nemo_disco import convert
 
@@ -272,6 +296,31 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--out", help="folder for comparison.{md,csv,json} (default: print only)")
     cmp.set_defaults(fn=_compare)
 
+    d = sub.add_parser("data", help="training data")
+    dsub = d.add_subparsers(dest="data_command", required=True)
+    dp = dsub.add_parser(
+        "prepare",
+        help="load a training set (hub id, preset, parquet/json/jsonl, folder), check every row, write JSONL",
+    )
+    dp.add_argument("source", help="deepscaler | dapo-math-17k | hub id | local file or folder")
+    dp.add_argument("--out", required=True, help="JSONL to write (point data.train at it)")
+    dp.add_argument("--split", default="train")
+    dp.add_argument("--problem-column", help="column of the problem (dotted for structs; default: recognised)")
+    dp.add_argument(
+        "--answer-column", help="column of the answer, e.g. reward_model.ground_truth (default: recognised)"
+    )
+    dp.add_argument("--keep-duplicates", action="store_true", help="keep repeated problems")
+    dp.add_argument("--no-answer-check", action="store_true", help="skip checking answers with the grader")
+    dp.add_argument("--grader", choices=["math_verify", "deepscaler"], default="math_verify")
+    dp.add_argument("--workers", type=int, default=2, help="grading processes of the answer check")
+    dp.add_argument("--timeout", type=float, default=5.0, help="grading limit per answer (seconds)")
+    dp.add_argument(
+        "--benchmarks", default="aime,aime25,math,amc,minerva,olympiad_bench", help="benchmarks checked for overlap"
+    )
+    dp.add_argument("--drop-overlap", action="store_true", help="drop rows overlapping a benchmark (always reported)")
+    dp.add_argument("--strict", action="store_true", help="any row that would be skipped is an error")
+    dp.set_defaults(fn=_data_prepare)
+
     c = sub.add_parser("convert", help="HF <-> Megatron checkpoints")
     c.add_argument("--from-hf", help="HF folder to convert into a Megatron checkpoint")
     c.add_argument("--checkpoint", help="run step_N folder (or its policy/) to convert to an HF folder")
@@ -300,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     except (config_lib.ConfigError, UserError, FileNotFoundError, ValueError) as err:
         if os.environ.get("NEMO_DISCO_DEBUG"):
             raise
-        print(f"nemo-disco {args.command}: error: {err}", file=sys.stderr)
+        command = args.command + (f" {args.data_command}" if args.command == "data" else "")
+        print(f"nemo-disco {command}: error: {err}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
