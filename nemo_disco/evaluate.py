@@ -124,7 +124,7 @@ class BenchmarkResult:
 
 
 def _resampled(samples: bool) -> str:
-    return "problems (and for pass@1 samples within them)" if samples else "problems"
+    return "problems resampled, and for pass@1 the samples within them" if samples else "problems resampled"
 
 
 def _cell(value: float, se: float | None, ci: tuple[float, float] | None) -> str:
@@ -199,7 +199,7 @@ class EvalSummary:
             "average": _flat(self.average, self.average_se, self.average_ci),
             "uncertainty": {
                 "se": "standard error over problems (average: benchmarks combined as independent)",
-                "ci": "percentile bootstrap interval; resampled: " + _resampled(self.resample_samples),
+                "ci": "percentile bootstrap interval, " + _resampled(self.resample_samples),
                 "replicates": self.replicates,
                 "seed": self.seed,
                 "confidence": self.confidence,
@@ -246,8 +246,8 @@ class EvalSummary:
         note = "± standard error over problems"
         if self.replicates:
             note += (
-                f"; [ ] {round(100 * self.confidence)}% bootstrap interval ({_resampled(self.resample_samples)} "
-                f"resampled, {self.replicates} replicates, seed {self.seed})"
+                f"; [ ] {round(100 * self.confidence)}% bootstrap interval ({_resampled(self.resample_samples)}; "
+                f"{self.replicates} replicates, seed {self.seed})"
             )
         return "\n".join(lines) + f"\n\n{note}.\n"
 
@@ -527,7 +527,7 @@ class Comparison:
         lines = [
             f"A = {self.label_a}, B = {self.label_b}: pass@k in %, difference A - B paired by problem "
             f"(± standard error; {round(100 * self.confidence)}% paired bootstrap interval, "
-            f"{_resampled(self.resample_samples)} resampled, {self.replicates} replicates, seed {self.seed}).",
+            f"{_resampled(self.resample_samples)}; {self.replicates} replicates, seed {self.seed}).",
             "",
             "| benchmark | metric | problems | A | B | A - B | ± se | interval | problems A > B / A < B |",
             "|---|---|---:|---:|---:|---:|---:|---|---:|",
@@ -564,7 +564,7 @@ class Comparison:
             "replicates": self.replicates,
             "seed": self.seed,
             "confidence": self.confidence,
-            "resampled": _resampled(self.resample_samples),
+            "bootstrap": _resampled(self.resample_samples),
             "rows": [
                 {**r.__dict__, "ci": list(r.ci) if r.ci is not None else None}  # tuples become JSON lists
                 for r in self.rows

@@ -228,14 +228,16 @@ def _parquet_rows(path: Path) -> Iterator[dict[str, Any]]:
 
 
 def open_rows(source: str, split: str = "train") -> tuple[Iterator[Any], str]:
-    """Rows of a preset, hub id, local file or folder, and the name errors give the source.
+    """Rows of a local file or folder, a preset or a hub id, and the name errors give the source.
 
     Raises:
         FileNotFoundError: not a file, folder, preset or hub id.
         ValueError: unreadable file, hub unreachable (one line naming the source and what was tried).
     """
-    source = PRESETS.get(source, source)
     path = Path(source).expanduser()
+    if not path.exists() and source in PRESETS:  # an existing file or folder of that name wins
+        source = PRESETS[source]
+        path = Path(source)
     if path.is_file():
         if path.suffix.lower() == ".parquet":
             return _parquet_rows(path), str(path)

@@ -13,9 +13,9 @@ samples of each drawn problem (``n`` drawn with replacement, which makes the cor
 ``c* ~ Binomial(n, c / n)``); the percentile interval of the replicate means is reported. Samples are
 redrawn for pass@1 only: pass@1 is linear in ``c`` so the redraw leaves it unbiased, while for k > 1 a
 redraw with replacement duplicates samples and biases the estimator down (a nominal 95% interval covered
-the true pass@16 of 500 problems x 16 samples in 36% of simulated benchmarks, against 92% with problems
+the true pass@16 of 500 problems x 16 samples in 36% of simulated benchmarks, against 94% with problems
 only; ``docs/evaluation.md``). The problem-level draw carries the within-problem noise already, so
-redrawing samples as well makes pass@1 intervals slightly conservative.
+redrawing samples as well makes pass@1 intervals slightly wider.
 
 Two runs on the same problems are compared per problem (:func:`paired_difference`,
 :func:`paired_bootstrap_pass_at_k`): the between-problem spread both share cancels, which is what makes

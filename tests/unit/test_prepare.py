@@ -242,13 +242,18 @@ def test_hub_unreachable_is_one_line(tmp_path, capsys, monkeypatch):
     assert "training set not found: /no/such/file.parquet" in capsys.readouterr().err
 
 
-def test_dataset_folders(tmp_path):
+def test_dataset_folders(tmp_path, monkeypatch):
     # A save_to_disk folder, and a folder of data files as a hub download leaves it (read by datasets).
     import datasets
 
     datasets.Dataset.from_list(DAPO_ROWS).save_to_disk(str(tmp_path / "saved"))
     report = prepare(str(tmp_path / "saved"), tmp_path / "a.jsonl", check_answers=False)
     assert (report.rows, report.kept) == (8, 3)
+    # A folder named like a preset is read, not the hub.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "saved").rename(tmp_path / "dapo-math-17k")
+    report = prepare("dapo-math-17k", tmp_path / "local.jsonl", check_answers=False)
+    assert (report.source, report.rows) == ("dapo-math-17k", 8)
     (tmp_path / "download" / "data").mkdir(parents=True)
     _write(DEEPSCALER_ROWS, tmp_path / "download" / "data" / "train-00000-of-00001.parquet")
     env = {**os.environ, "HF_DATASETS_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
