@@ -228,15 +228,16 @@ def quiet_hub_logs() -> Iterator[None]:
             lg.setLevel(level)
 
 
-def hub_offline() -> bool:
-    """True when ``HF_HUB_OFFLINE`` (or ``HF_DATASETS_OFFLINE``) forbids contacting the hub."""
-    return any(os.environ.get(v, "").strip().lower() in _TRUE for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+def _offline_variable() -> str | None:
+    """The variable (``HF_HUB_OFFLINE`` or ``HF_DATASETS_OFFLINE``) that forbids contacting the hub, if any."""
+    return next((v for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if os.environ.get(v, "").lower() in _TRUE), None)
 
 
 def hub_tried() -> str:
     """What a hub load tried, for error messages."""
-    if hub_offline():
-        return "the local Hugging Face cache only (HF_HUB_OFFLINE is set)"
+    offline = _offline_variable()
+    if offline:
+        return f"the local Hugging Face cache only ({offline} is set)"
     return "huggingface.co and the local Hugging Face cache"
 
 
