@@ -1,6 +1,7 @@
-"""``nemo-disco train | eval | convert | plot``.
+"""``nemo-disco train | eval | compare | data prepare | convert | plot``.
 
-Bad input (a recipe key, a file, a row) ends with one line on stderr and exit code 2, never a traceback.
+Bad input (a recipe key, a file, a row, a model or data source that cannot be loaded) ends with one line on
+stderr and exit code 2, never a traceback.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ def _train(args: argparse.Namespace) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(config_lib.to_yaml(cfg), end="")
         return 0
+    _check_sources(cfg)
     from nemo_disco import algorithm
 
     try:
@@ -37,6 +39,23 @@ def _train(args: argparse.Namespace) -> int:
     if os.environ.get("RANK", "0") == "0":
         _report(cfg)
     return 0
+
+
+def _check_sources(cfg: config_lib.RunConfig) -> None:
+    """Fail in seconds, before any model is built, when the model or a data source cannot be loaded.
+
+    Loads ``data.train`` and ``data.val`` as training will (a hub dataset is cached by the load) and checks
+    ``policy.model_path``; each failure is one line naming the source and what was tried.
+    """
+    from nemo_disco.data import load_problems
+    from nemo_disco.evaluate import check_model
+
+    if cfg.policy.model_path is not None:
+        check_model(cfg.policy.model_path)
+    kwargs = {"split": cfg.data.split, "synthetic_size": cfg.data.synthetic_size, "seed": cfg.data.seed}
+    load_problems(cfg.data.train, on_bad_row=cfg.data.on_bad_row, **kwargs)
+    if cfg.data.val:
+        load_problems(cfg.data.val, on_bad_row="skip", **kwargs)
 
 
 def _report(cfg: config_lib.RunConfig) -> None:
@@ -56,7 +75,51 @@ def _report(cfg: config_lib.RunConfig) -> None:
     print(f"curves: {plot}")
 
 
+def _labels(text: str | None, paths: list[str]) -> list[str]:
+    """Comma-separated labels, or the result folders' names (made unique)."""
+    from nemo_disco.evaluate import result_label
+
+    if text:
+        labels = text.split(",")
+        if len(labels) != len(paths):
+            raise UserError(f"--labels has {len(labels)} names for {len(paths)} results")
+        return labels
+    labels = [result_label(p) for p in paths]
+    return labels if len(set(labels)) == len(labels) else [str(p) for p in paths]
+
+
+def _bootstrap_kwargs(args: argparse.Namespace) -> dict:
+    samples = args.bootstrap_samples if hasattr(args, "bootstrap_samples") else not args.bootstrap_problems_only
+    return {"replicates": args.bootstrap, "seed": args.bootstrap_seed, "resample_samples": samples}
+
+
+def _add_bootstrap_flags(p: argparse.ArgumentParser, what: str = "intervals", paired: bool = False) -> None:
+    p.add_argument("--bootstrap", type=int, default=2000, help=f"bootstrap replicates of the {what} (0: none)")
+    p.add_argument("--bootstrap-seed", type=int, default=0, help="bootstrap seed (fixed: the same table every time)")
+    if paired:
+        p.add_argument(
+            "--bootstrap-samples",
+            action="store_true",
+            help="for pass@1 also redraw samples within problems (conservative; default: problems only)",
+        )
+    else:
+        p.add_argument(
+            "--bootstrap-problems-only",
+            action="store_true",
+            help="resample problems only (default: problems, and for pass@1 the samples within them)",
+        )
+
+
 def _plot(args: argparse.Namespace) -> int:
+    if args.pass_at_k:
+        from nemo_disco import evaluate
+
+        labels = _labels(args.labels, args.runs)
+        summaries = [evaluate.summarize(evaluate.load_results(r), **_bootstrap_kwargs(args)) for r in args.runs]
+        benchmarks = [b for b in args.benchmarks.split(",") if b] if args.benchmarks else None
+        out = args.out or "pass_at_k.png"
+        print(evaluate.plot_pass_at_k(summaries, labels, out, benchmarks=benchmarks))
+        return 0
     from nemo_disco.metrics import plot_runs
 
     out = args.out or str(Path(args.runs[0]) / "curves.png")
@@ -68,17 +131,35 @@ def _eval(args: argparse.Namespace) -> int:
     from nemo_disco import evaluate
 
     benchmarks = [b for b in args.benchmarks.split(",") if b]
+    if args.responses and args.model:
+        raise UserError("eval takes --model HF_DIR or --responses RESULTS..., not both")
     if args.responses:
-        table = evaluate.grade_responses_file(
-            args.responses,
-            benchmarks,
-            grader=args.grader,
-            out_dir=args.out,
-            regrade=args.regrade,
-            timeout_s=args.timeout,
-            workers=args.workers,
-        )
-    elif args.model:
+        labels = _labels(args.labels, args.responses)
+        runs = []
+        for path, label in zip(args.responses, labels, strict=True):
+            out_dir = args.out if len(args.responses) == 1 else str(Path(args.out) / label)
+            runs.append(
+                evaluate.grade_responses_file(
+                    path,
+                    benchmarks,
+                    grader=args.grader,
+                    out_dir=out_dir,
+                    regrade=args.regrade,
+                    timeout_s=args.timeout,
+                    workers=args.workers,
+                    **_bootstrap_kwargs(args),
+                )
+            )
+        if len(runs) == 1:
+            print(runs[0])
+            return 0
+        across = evaluate.aggregate_runs(runs, labels)
+        evaluate.write_runs(across, args.out)
+        print(across)
+        folders = ", ".join(str(Path(args.out) / label) for label in labels)
+        print(f"per-run tables in {folders}; runs.md, runs.csv, runs.json in {args.out}")
+        return 0
+    if args.model:
         table = evaluate.evaluate_model(
             args.model,
             benchmarks,
@@ -95,10 +176,59 @@ def _eval(args: argparse.Namespace) -> int:
             timeout_s=args.timeout,
             workers=args.workers,
             tensor_parallel_size=args.tp,
+            replicates=args.bootstrap,
+            bootstrap_seed=args.bootstrap_seed,
+            resample_samples=not args.bootstrap_problems_only,
         )
-    else:
-        raise UserError("eval needs --model HF_DIR or --responses FILE.jsonl")
-    print(table)
+        print(table)
+        return 0
+    raise UserError("eval needs --model HF_DIR or --responses RESULTS...")
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from nemo_disco import evaluate
+
+    labels = _labels(args.labels, [args.results_a, args.results_b])
+    try:
+        ks = [int(k) for k in args.k.split(",") if k]
+    except ValueError:
+        raise UserError(f"--k {args.k!r}: expected comma-separated integers") from None
+    if not ks or min(ks) < 1:
+        raise UserError(f"--k {args.k!r}: expected k >= 1")
+    comparison = evaluate.compare_results(
+        evaluate.load_results(args.results_a),
+        evaluate.load_results(args.results_b),
+        ks=ks,
+        labels=(labels[0], labels[1]),
+        **_bootstrap_kwargs(args),
+    )
+    print(comparison)
+    if args.out:
+        print(f"wrote {evaluate.write_comparison(comparison, args.out)} (and comparison.csv, comparison.json)")
+    return 0
+
+
+def _data_prepare(args: argparse.Namespace) -> int:
+    from nemo_disco import prepare
+
+    benchmarks = [b for b in args.benchmarks.split(",") if b]
+    report = prepare.prepare(
+        args.source,
+        args.out,
+        split=args.split,
+        problem_key=args.problem_column,
+        answer_key=args.answer_column,
+        dedup=not args.keep_duplicates,
+        check_answers=not args.no_answer_check,
+        grader=args.grader,
+        workers=args.workers,
+        timeout_s=args.timeout,
+        benchmarks=benchmarks,
+        drop_overlap=args.drop_overlap,
+        strict=args.strict,
+    )
+    print(report.to_text(), end="")
+    print(f"report: {prepare.report_path(args.out)}")
     return 0
 
 
@@ -126,9 +256,19 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. loss.tau=1 algorithm.steps=10")
     t.set_defaults(fn=_train)
 
-    e = sub.add_parser("eval", help="pass@k on benchmark files (aime, aime25, math, amc, minerva, olympiad_bench)")
-    e.add_argument("--model", help="Hugging Face model folder")
-    e.add_argument("--responses", help="grade an existing per-problem JSONL instead of generating")
+    e = sub.add_parser(
+        "eval",
+        help="pass@k with standard errors and bootstrap intervals on the benchmarks "
+        "(aime, aime25, math, amc, minerva, olympiad_bench)",
+    )
+    e.add_argument("--model", help="Hugging Face model folder (or hub id)")
+    e.add_argument(
+        "--responses",
+        nargs="+",
+        help="tabulate (and grade where unscored) existing results instead of generating: results folders or "
+        "responses.jsonl files; several (seeds, checkpoints) also give mean and spread across them",
+    )
+    e.add_argument("--labels", help="comma-separated names of the --responses results (default: folder names)")
     e.add_argument("--benchmarks", default="aime,aime25,math,amc,minerva,olympiad_bench")
     e.add_argument("--samples", type=int, default=16)
     e.add_argument("--temperature", type=float, default=0.6)
@@ -143,8 +283,43 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--timeout", type=float, default=5.0, help="hard per-response grading limit (seconds)")
     e.add_argument("--workers", type=int, default=2, help="grading processes")
     e.add_argument("--tp", type=int, default=1, help="vLLM tensor-parallel size")
+    _add_bootstrap_flags(e)
     e.add_argument("--out", default="eval_results")
     e.set_defaults(fn=_eval)
+
+    cmp = sub.add_parser("compare", help="paired difference of two results per benchmark, with its interval")
+    cmp.add_argument("results_a", help="results folder (or responses.jsonl) A, graded")
+    cmp.add_argument("results_b", help="results folder (or responses.jsonl) B, graded, on the same benchmarks")
+    cmp.add_argument("--k", default="1", help="comma-separated k of pass@k to compare (default 1)")
+    cmp.add_argument("--labels", help="names of A and B, comma-separated (default: folder names)")
+    _add_bootstrap_flags(cmp, paired=True)
+    cmp.add_argument("--out", help="folder for comparison.{md,csv,json} (default: print only)")
+    cmp.set_defaults(fn=_compare)
+
+    d = sub.add_parser("data", help="training data")
+    dsub = d.add_subparsers(dest="data_command", required=True)
+    dp = dsub.add_parser(
+        "prepare",
+        help="load a training set (hub id, preset, parquet/json/jsonl, folder), check every row, write JSONL",
+    )
+    dp.add_argument("source", help="deepscaler | dapo-math-17k | hub id | local file or folder")
+    dp.add_argument("--out", required=True, help="JSONL to write (point data.train at it)")
+    dp.add_argument("--split", default="train")
+    dp.add_argument("--problem-column", help="column of the problem (dotted for structs; default: recognised)")
+    dp.add_argument(
+        "--answer-column", help="column of the answer, e.g. reward_model.ground_truth (default: recognised)"
+    )
+    dp.add_argument("--keep-duplicates", action="store_true", help="keep repeated problems")
+    dp.add_argument("--no-answer-check", action="store_true", help="skip checking answers with the grader")
+    dp.add_argument("--grader", choices=["math_verify", "deepscaler"], default="math_verify")
+    dp.add_argument("--workers", type=int, default=2, help="grading processes of the answer check")
+    dp.add_argument("--timeout", type=float, default=5.0, help="grading limit per answer (seconds)")
+    dp.add_argument(
+        "--benchmarks", default="aime,aime25,math,amc,minerva,olympiad_bench", help="benchmarks checked for overlap"
+    )
+    dp.add_argument("--drop-overlap", action="store_true", help="drop rows overlapping a benchmark (always reported)")
+    dp.add_argument("--strict", action="store_true", help="any row that would be skipped is an error")
+    dp.set_defaults(fn=_data_prepare)
 
     c = sub.add_parser("convert", help="HF <-> Megatron checkpoints")
     c.add_argument("--from-hf", help="HF folder to convert into a Megatron checkpoint")
@@ -154,10 +329,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--pp", type=int, default=1)
     c.set_defaults(fn=_convert)
 
-    pl = sub.add_parser("plot", help="PNG training curves of one or several runs")
-    pl.add_argument("runs", nargs="+", help="run folders (holding metrics.jsonl)")
-    pl.add_argument("--out", help="PNG path (default RUN/curves.png)")
+    pl = sub.add_parser("plot", help="PNG training curves of runs, or pass@k against k of eval results")
+    pl.add_argument("runs", nargs="+", help="run folders (holding metrics.jsonl), or results folders with --pass-at-k")
+    pl.add_argument("--out", help="PNG path (default RUN/curves.png; pass_at_k.png with --pass-at-k)")
     pl.add_argument("--labels", help="comma-separated legend labels")
+    pl.add_argument("--pass-at-k", action="store_true", help="plot pass@k against k of graded results folders")
+    pl.add_argument("--benchmarks", help="with --pass-at-k: comma-separated benchmarks (default: all)")
+    _add_bootstrap_flags(pl, "--pass-at-k bands")
     pl.set_defaults(fn=_plot)
     return p
 
@@ -171,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     except (config_lib.ConfigError, UserError, FileNotFoundError, ValueError) as err:
         if os.environ.get("NEMO_DISCO_DEBUG"):
             raise
-        print(f"nemo-disco {args.command}: error: {err}", file=sys.stderr)
+        command = args.command + (f" {args.data_command}" if args.command == "data" else "")
+        print(f"nemo-disco {command}: error: {err}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130

@@ -6,20 +6,23 @@ Sources accepted by :func:`load_problems`:
 - a folder written by ``datasets.Dataset.save_to_disk`` (a ``DatasetDict`` too: ``split`` picks one);
 - a Hugging Face hub dataset name such as ``agentica-org/DeepScaleR-Preview-Dataset``
   (``datasets.load_dataset(name, split=split)``);
-- a benchmark name (``aime``, ``aime25``, ``math``, ``amc``, ``minerva``, ``olympiad_bench``), see
-  :func:`resolve_benchmark`;
+- a benchmark name (``aime``, ``aime25``, ``math``, ``amc``, ``minerva``, ``olympiad_bench``): the copy shipped
+  in ``nemo_disco/benchmark_data``, see :func:`resolve_benchmark`;
 - ``synthetic:arithmetic`` / ``synthetic:arithmetic-heldout``: the CPU demo's task, two disjoint splits.
 
 A row is either DeepScaleR-style (``problem`` and ``answer``) or verl-style (``prompt``: a list of chat
 messages whose user turn is the problem, ``reward_model.ground_truth``: the answer). verl-style prompts
-usually end with the DeepScaleR instruction already; it is removed so that :func:`format_prompt` adds it
-exactly once. Answers that are JSON numbers become canonical strings (``142.0`` -> ``"142"``); a list of
-answers (OlympiadBench) stays a list of strings, any of which is correct. Row numbers in error messages
+carry an instruction already (DeepScaleR's after the problem; DAPO-Math-17k's "Solve the following math
+problem step by step. ..." before it and "Remember to put your answer on its own line after "Answer:"."
+after it); known instructions are removed so that :func:`format_prompt` adds the recipe's exactly once.
+Answers that are JSON numbers become canonical strings (``142.0`` -> ``"142"``); a list of answers
+(OlympiadBench) stays a list of strings, any of which is correct. Row numbers in error messages
 count from 0, as :attr:`Problem.index` does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -38,10 +41,20 @@ logger = logging.getLogger(__name__)
 DEFAULT_TEMPLATE: str = DataConfig.model_fields["prompt_template"].default
 # The instruction the DeepScaleR template appends to a problem (verl-style rows carry it already).
 _INSTRUCTION = DEFAULT_TEMPLATE.split("{problem}", 1)[1].replace("{{", "{").replace("}}", "}").strip()
+# (prefix, suffix) wrappings of the problem in verl-style prompts of known training sets.
+_PROMPT_WRAPPERS = (
+    ("", _INSTRUCTION),  # DeepScaleR-Preview in verl parquet
+    (  # BytedTsinghua-SIA/DAPO-Math-17k
+        "Solve the following math problem step by step. The last line of your response should be of the form "
+        "Answer: $Answer (without quotes) where $Answer is the answer to the problem.",
+        'Remember to put your answer on its own line after "Answer:".',
+    ),
+)
 
 BENCHMARKS = ("aime", "aime25", "math", "amc", "minerva", "olympiad_bench")
 BENCHMARK_DIR_ENV = "NEMO_DISCO_BENCHMARK_DIR"
-_DEFAULT_BENCHMARK_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "benchmarks"
+# The six benchmark files ship inside the package (source and licence: benchmark_data/README.md).
+SHIPPED_BENCHMARK_DIR = Path(__file__).resolve().parent / "benchmark_data"
 SYNTHETIC = ("synthetic:arithmetic", "synthetic:arithmetic-heldout")
 _DATA_SUFFIXES = (".json", ".jsonl", ".parquet")
 
@@ -96,12 +109,22 @@ def _row_problem(row: Any) -> tuple[Any, Any]:
         if not users:
             raise TypeError("prompt has no user message")
         text = users[-1]
-        if isinstance(text, str) and text.rstrip().endswith(_INSTRUCTION):
-            text = text.rstrip()[: -len(_INSTRUCTION)]
+        if isinstance(text, str):
+            text = strip_instruction(text)
         reward_model = row.get("reward_model")
         answer = reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
         return text, answer
     raise TypeError("row has neither 'problem' nor 'prompt'")
+
+
+def strip_instruction(text: str) -> str:
+    """A verl-style user turn without the instruction a known training set wraps around the problem."""
+    stripped = text.strip()
+    for prefix, suffix in _PROMPT_WRAPPERS:
+        head, tail = stripped.startswith(prefix), stripped.endswith(suffix)
+        if head and tail:
+            return stripped[len(prefix) : len(stripped) - len(suffix)].strip()
+    return text
 
 
 def _parse_row(row: Any, index: int, source: str) -> Problem:
@@ -181,34 +204,85 @@ def _read_parquet(path: Path) -> list[Any]:
         raise ValueError(f"{path}: not a readable parquet file: {first}") from None
 
 
-def _read_saved_dataset(path: Path, split: str) -> list[Any]:
+_SAVED_DATASET_FILES = ("dataset_info.json", "state.json", "dataset_dict.json")
+_TRUE = ("1", "true", "yes", "on")
+
+
+@contextlib.contextmanager
+def quiet_hub_logs() -> Iterator[None]:
+    """Silence huggingface_hub / datasets / transformers warnings (one per connection retry) during a load.
+
+    A load that fails is reported as one line by the caller; one that succeeds needs no warnings either.
+    Import the library before entering: each sets its logger's level when it is first imported.
+    """
+    import huggingface_hub  # noqa: F401  (configures its logger on import)
+
+    loggers = [logging.getLogger(name) for name in ("huggingface_hub", "datasets", "transformers")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
+def _offline_variable() -> str | None:
+    """The variable (``HF_HUB_OFFLINE`` or ``HF_DATASETS_OFFLINE``) that forbids contacting the hub, if any."""
+    return next((v for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if os.environ.get(v, "").lower() in _TRUE), None)
+
+
+def hub_tried() -> str:
+    """What a hub load tried, for error messages."""
+    offline = _offline_variable()
+    if offline:
+        return f"the local Hugging Face cache only ({offline} is set)"
+    return "huggingface.co and the local Hugging Face cache"
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
+
+
+def open_dataset(source: str | os.PathLike, split: str = "train") -> Any:
+    """A ``datasets.Dataset`` from a local folder (``save_to_disk`` output or a folder of data files) or a hub id.
+
+    Raises:
+        ValueError: one line naming the source, what was tried and the first line of the cause.
+    """
     import datasets
 
-    ds = datasets.load_from_disk(str(path))
-    if isinstance(ds, datasets.DatasetDict):
-        if split not in ds:
-            raise ValueError(f"{path}: no split {split!r} (splits: {', '.join(ds)})")
-        ds = ds[split]
-    return ds.to_list()
-
-
-def _read_hub(name: str, split: str) -> list[Any]:
-    try:
-        import datasets
-
-        ds = datasets.load_dataset(name, split=split)
-    except Exception as err:  # network, auth, unknown name: all surface as one line
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ValueError(f"cannot load Hugging Face dataset {name!r} (split {split!r}): {first}") from None
-    return ds.to_list()
+    path = Path(source)
+    with quiet_hub_logs():
+        if path.is_dir():
+            saved = any((path / f).is_file() for f in _SAVED_DATASET_FILES)
+            try:
+                ds = datasets.load_from_disk(str(path)) if saved else datasets.load_dataset(str(path), split=split)
+            except Exception as err:  # any loader failure is reported as one line
+                how = "datasets.load_from_disk" if saved else f"datasets.load_dataset (data files, split {split!r})"
+                raise ValueError(f"{path}: cannot load the folder with {how}: {_first_line(err)}") from None
+            if isinstance(ds, datasets.DatasetDict):
+                if split not in ds:
+                    raise ValueError(f"{path}: no split {split!r} (splits: {', '.join(ds)})")
+                ds = ds[split]
+            return ds
+        try:
+            return datasets.load_dataset(str(source), split=split)
+        except Exception as err:  # network, auth, unknown name: all surface as one line
+            raise ValueError(
+                f"cannot load dataset {str(source)!r} (split {split!r}): no local file or folder of that name; "
+                f"tried the Hugging Face hub through {hub_tried()}: {_first_line(err)}"
+            ) from None
 
 
 def resolve_benchmark(name_or_path: str | os.PathLike) -> Path:
     """The JSON file of a benchmark name (``aime``, ``aime25``, ``math``, ``amc``, ``minerva``, ``olympiad_bench``).
 
-    Benchmark files live in ``$NEMO_DISCO_BENCHMARK_DIR`` (``<name>.json``, DeepScaleR layout), by default in
-    ``../shared/data/benchmarks`` next to the repository when that folder exists. An existing file path is
-    returned unchanged.
+    An existing file path is returned unchanged. A name resolves to ``$NEMO_DISCO_BENCHMARK_DIR/<name>.json``
+    when that variable is set (it then wins: a missing file there is an error, not a fall-back), else to the
+    copy shipped with the package (:data:`SHIPPED_BENCHMARK_DIR`, DeepScaleR layout).
 
     Raises:
         FileNotFoundError: the name is not a benchmark and not a file, or its file is missing.
@@ -220,10 +294,10 @@ def resolve_benchmark(name_or_path: str | os.PathLike) -> Path:
     if name not in BENCHMARKS:
         raise FileNotFoundError(f"{name!r} is neither a file nor a benchmark name ({', '.join(BENCHMARKS)})")
     env = os.environ.get(BENCHMARK_DIR_ENV)
-    folder = Path(env) if env else _DEFAULT_BENCHMARK_DIR
+    folder = Path(env) if env else SHIPPED_BENCHMARK_DIR
     target = folder / f"{name}.json"
     if not target.is_file():
-        how = f"{BENCHMARK_DIR_ENV}={env}" if env else f"default folder {folder}"
+        how = f"{BENCHMARK_DIR_ENV}={env}" if env else f"the package's folder {folder}, an incomplete install"
         raise FileNotFoundError(
             f"benchmark {name!r}: {target} not found ({how}); set {BENCHMARK_DIR_ENV} to a folder holding "
             f"{', '.join(b + '.json' for b in BENCHMARKS)}"
@@ -262,25 +336,43 @@ def load_problems(
         heldout = text.endswith("-heldout")
         return synthetic_arithmetic(synthetic_size, seed, split="heldout" if heldout else "train"), 0
     path = Path(source)
-    if path.is_dir():
-        return _collect(_read_saved_dataset(path, split), text, on_bad_row)
+    if path.is_dir() or (not path.is_file() and text not in BENCHMARKS and looks_like_hub_id(text)):
+        return _collect(open_dataset(source, split).to_list(), text, on_bad_row)
     if not path.is_file():
-        if text in BENCHMARKS:
-            path = resolve_benchmark(text)
-        elif path.suffix in _DATA_SUFFIXES or path.is_absolute() or text.startswith(".") or text.count("/") != 1:
-            raise FileNotFoundError(f"data file not found: {text} (nor a benchmark name or an owner/name hub dataset)")
-        else:
-            return _collect(_read_hub(text, split), text, on_bad_row)
+        if text not in BENCHMARKS:
+            raise FileNotFoundError(
+                f"data file not found: {text} (nor a benchmark name ({', '.join(BENCHMARKS)}), a synthetic task "
+                "or an owner/name hub dataset)"
+            )
+        path = resolve_benchmark(text)
+    return _collect(read_rows(path), str(path), on_bad_row)
+
+
+def looks_like_hub_id(text: str) -> bool:
+    """``owner/name`` with no file suffix: what a Hugging Face hub id looks like (a missing path does not)."""
+    path = Path(text)
+    pathlike = path.suffix.lower() in _DATA_SUFFIXES or path.is_absolute() or text.startswith((".", "~"))
+    return not pathlike and text.count("/") == 1
+
+
+def read_rows(path: str | os.PathLike) -> list[Any]:
+    """The rows of a .json (a list), .jsonl or .parquet file.
+
+    Raises:
+        ValueError: unreadable file (``FILE:LINE: what`` for JSON), unsupported suffix.
+        FileNotFoundError: no such file.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"data file not found: {path}")
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
-        rows = _read_jsonl(path)
-    elif suffix == ".json":
-        rows = _read_json(path)
-    elif suffix == ".parquet":
-        rows = _read_parquet(path)
-    else:
-        raise ValueError(f"{path}: unsupported data file type {suffix or '(none)'!r}; use .json, .jsonl or .parquet")
-    return _collect(rows, str(path), on_bad_row)
+        return _read_jsonl(path)
+    if suffix == ".json":
+        return _read_json(path)
+    if suffix == ".parquet":
+        return _read_parquet(path)
+    raise ValueError(f"{path}: unsupported data file type {suffix or '(none)'!r}; use .json, .jsonl or .parquet")
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -1,23 +1,34 @@
-"""pass@k evaluation on math benchmarks: generate, grade, tabulate, re-grade.
+r"""pass@k evaluation on math benchmarks: generate, grade, tabulate with uncertainty, compare runs.
 
 A result is a list of records, one per (problem, sample)::
 
     {"benchmark": "aime", "problem_index": 3, "sample_index": 0, "response": "...", "score": 1.0, ...}
 
 written one per line to ``responses.jsonl`` (extra fields: ``answer``, ``finish_reason``,
-``response_tokens``). A sample is correct when its score is above 0.5 (graders give 1.0 / 0.0).
+``response_tokens``). A sample is correct when its score is above 0.5 (graders give 1.0 / 0.0). A results
+folder is a folder holding ``responses.jsonl`` (what ``nemo-disco eval --out`` writes).
 
-pass@k uses the unbiased estimator of Chen et al. 2021 (eq. 1): with n samples of which c are correct,
-``pass@k = 1 - C(n - c, k) / C(n, k)``, computed as the product ``1 - prod_{i=n-c+1}^{n} (1 - k / i)``
-(no large binomials); a benchmark's pass@k is its mean over problems. pass@1 is then the mean over
-problems of the share of correct samples, as in the paper's tab. 2 (16 samples, temperature 0.6,
-top-p 0.95). Reported k are 1, 2, 4, ... up to the number of samples, and that number itself; the
-average row is the unweighted mean over benchmarks.
+pass@k uses the unbiased estimator of Chen et al. 2021 (eq. 1, :func:`nemo_disco.stats.pass_at_k`); a
+benchmark's pass@k is its mean over problems. pass@1 is then the mean over problems of the share of correct
+samples, as in the paper's tab. 2 (16 samples, temperature 0.6, top-p 0.95). Reported k are 1, 2, 4, ... up
+to the number of samples, and that number itself; the average row is the unweighted mean over benchmarks.
+
+Uncertainty (:mod:`nemo_disco.stats`): every pass@k comes with its standard error over problems and a
+percentile bootstrap interval (problems resampled, and for pass@1 the samples within them; fixed seed);
+the average's standard error combines the benchmarks' as independent, its interval averages their
+replicates. Three views on top of one table:
+
+- :func:`aggregate_runs`: several results of one setting (training seeds, checkpoints): per benchmark the
+  mean, sample standard deviation, min and max over runs;
+- :func:`compare_results`: two results on the same problems: the paired difference per benchmark with its
+  standard error and a paired bootstrap interval ("A beats B on AIME by x points, 95% CI [lo, hi]");
+- :func:`plot_pass_at_k`: pass@k against k for several results, one panel per benchmark.
 """
 
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
 import logging
@@ -28,25 +39,42 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from nemo_disco.data import BENCHMARKS, DEFAULT_TEMPLATE, encode_prompts, load_problems, resolve_benchmark
+import numpy as np
+
+from nemo_disco import stats
+from nemo_disco.data import (
+    BENCHMARKS,
+    DEFAULT_TEMPLATE,
+    encode_prompts,
+    hub_tried,
+    load_problems,
+    quiet_hub_logs,
+    resolve_benchmark,
+)
+from nemo_disco.stats import DEFAULT_CONFIDENCE, DEFAULT_REPLICATES, pass_at_k
 
 logger = logging.getLogger(__name__)
 
 RESPONSES_FILE = "responses.jsonl"
 
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k of one problem with ``c`` correct out of ``n`` samples (Chen et al. 2021, eq. 1).
-
-    Raises:
-        ValueError: unless 0 <= c <= n and 1 <= k <= n.
-    """
-    if not (0 <= c <= n and 1 <= k <= n):
-        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n (got n={n}, c={c}, k={k})")
-    if n - c < k:
-        return 1.0  # every k-subset holds a correct sample
-    # C(n-c, k) / C(n, k) = prod_{i=n-c+1}^{n} (1 - k/i)
-    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+__all__ = [
+    "RESPONSES_FILE",
+    "BenchmarkResult",
+    "Comparison",
+    "EvalSummary",
+    "RunsSummary",
+    "aggregate_runs",
+    "check_model",
+    "compare_results",
+    "evaluate_model",
+    "grade_responses_file",
+    "ks_for",
+    "load_results",
+    "pass_at_k",
+    "plot_pass_at_k",
+    "summarize",
+    "write_results",
+]
 
 
 def ks_for(samples: int) -> list[int]:
@@ -58,79 +86,177 @@ def ks_for(samples: int) -> list[int]:
     return ks + [samples]
 
 
+def _k_of(metric: str) -> int:
+    return int(metric.split("@")[1])
+
+
+def _pct(v: float) -> str:
+    return f"{100 * v:.2f}"
+
+
+def _bench_seed(seed: int, bench: str) -> np.random.Generator:
+    """A benchmark's bootstrap stream: from (seed, name), so a table's intervals do not depend on its other rows."""
+    name = int.from_bytes(hashlib.sha256(bench.encode()).digest()[:8], "little")
+    return np.random.default_rng([seed, name])
+
+
 @dataclass
 class BenchmarkResult:
-    """One row of the table: ``metrics`` maps "pass@k" to a value in [0, 1]."""
+    """One row of the table; ``metrics`` maps "pass@k" to a value in [0, 1].
+
+    Attributes:
+        benchmark: benchmark name (or file stem).
+        problems: number of problems.
+        samples: the fewest samples of a problem (pass@k is reported up to it).
+        metrics: "pass@k" -> mean over problems.
+        se: "pass@k" -> standard error over problems.
+        ci: "pass@k" -> (low, high) bootstrap interval (empty when the bootstrap is off).
+        counts: problem index -> (samples, correct samples).
+    """
 
     benchmark: str
     problems: int
     samples: int
     metrics: dict[str, float] = field(default_factory=dict)
+    se: dict[str, float] = field(default_factory=dict)
+    ci: dict[str, tuple[float, float]] = field(default_factory=dict)
+    counts: dict[int, tuple[int, int]] = field(default_factory=dict, repr=False)
+
+
+def _resampled(samples: bool) -> str:
+    return "problems resampled, and for pass@1 the samples within them" if samples else "problems resampled"
+
+
+def _cell(value: float, se: float | None, ci: tuple[float, float] | None) -> str:
+    text = _pct(value)
+    if se is not None:
+        text += f" ± {_pct(se)}"
+    if ci is not None:
+        text += f" [{_pct(ci[0])}, {_pct(ci[1])}]"
+    return text
+
+
+def _flat(metrics: dict[str, float], se: dict[str, float], ci: dict[str, tuple[float, float]]) -> dict[str, Any]:
+    """``pass@k``, ``pass@k_se``, ``pass@k_ci`` ([low, high]) keys, by increasing k."""
+    out: dict[str, Any] = {}
+    for key in sorted(metrics, key=_k_of):
+        out[key] = metrics[key]
+        if key in se:
+            out[f"{key}_se"] = se[key]
+        if key in ci:
+            out[f"{key}_ci"] = [float(ci[key][0]), float(ci[key][1])]
+    return out
 
 
 @dataclass
 class EvalSummary:
-    """Per-benchmark pass@k and their unweighted average over benchmarks."""
+    """Per-benchmark pass@k with their uncertainty, and the unweighted average over benchmarks.
+
+    Attributes:
+        rows: one per benchmark.
+        average: "pass@k" -> mean over benchmarks (k reported by every benchmark).
+        average_se: standard error of the average (benchmarks independent).
+        average_ci: bootstrap interval of the average.
+        replicates: bootstrap replicates (0: no intervals).
+        seed: bootstrap seed.
+        confidence: interval level.
+        resample_samples: the bootstrap redraws samples within problems too (else problems only).
+    """
 
     rows: list[BenchmarkResult]
     average: dict[str, float]
+    average_se: dict[str, float] = field(default_factory=dict)
+    average_ci: dict[str, tuple[float, float]] = field(default_factory=dict)
+    replicates: int = DEFAULT_REPLICATES
+    seed: int = 0
+    confidence: float = DEFAULT_CONFIDENCE
+    resample_samples: bool = True
 
     @property
     def columns(self) -> list[str]:
         """Every "pass@k" column, by increasing k."""
         keys = {key for r in self.rows for key in r.metrics}
-        return sorted(keys, key=lambda key: int(key.split("@")[1]))
+        return sorted(keys, key=_k_of)
+
+    def row(self, benchmark: str) -> BenchmarkResult:
+        """The row of ``benchmark``.
+
+        Raises:
+            KeyError: no such benchmark.
+        """
+        for r in self.rows:
+            if r.benchmark == benchmark:
+                return r
+        raise KeyError(f"no benchmark {benchmark!r} in this result ({', '.join(r.benchmark for r in self.rows)})")
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data (the summary.json layout)."""
+        """Plain data (the summary.json layout): values in [0, 1]; ``_se`` and ``_ci`` keys beside each pass@k."""
         return {
             "benchmarks": [
-                {"benchmark": r.benchmark, "problems": r.problems, "samples": r.samples, **r.metrics} for r in self.rows
+                {"benchmark": r.benchmark, "problems": r.problems, "samples": r.samples, **_flat(r.metrics, r.se, r.ci)}
+                for r in self.rows
             ],
-            "average": self.average,
+            "average": _flat(self.average, self.average_se, self.average_ci),
+            "uncertainty": {
+                "se": "standard error over problems (average: benchmarks combined as independent)",
+                "ci": "percentile bootstrap interval, " + _resampled(self.resample_samples),
+                "replicates": self.replicates,
+                "seed": self.seed,
+                "confidence": self.confidence,
+            },
         }
 
     def to_csv(self) -> str:
-        """CSV: one row per benchmark and an "average" row; values in [0, 1], empty where not defined."""
+        """CSV: one row per benchmark and an "average" row; ``pass@k``, ``pass@k_se``, ``pass@k_ci_low/high``."""
         buf = io.StringIO()
         writer = csv.writer(buf, lineterminator="\n")
-        writer.writerow(["benchmark", "problems", "samples", *self.columns])
+        header = ["benchmark", "problems", "samples"]
+        for c in self.columns:
+            header += [c, f"{c}_se", f"{c}_ci_low", f"{c}_ci_high"]
+        writer.writerow(header)
+
+        def values(metrics: dict, se: dict, ci: dict) -> list:
+            out: list = []
+            for c in self.columns:
+                low, high = ci.get(c, ("", ""))
+                out += [metrics.get(c, ""), se.get(c, ""), low, high]
+            return out
+
         for r in self.rows:
-            writer.writerow([r.benchmark, r.problems, r.samples, *(r.metrics.get(c, "") for c in self.columns)])
-        writer.writerow(["average", "", "", *(self.average.get(c, "") for c in self.columns)])
+            writer.writerow([r.benchmark, r.problems, r.samples, *values(r.metrics, r.se, r.ci)])
+        writer.writerow(["average", "", "", *values(self.average, self.average_se, self.average_ci)])
         return buf.getvalue()
 
     def to_markdown(self) -> str:
-        """Markdown table in percent (as the paper's tab. 2)."""
+        """Markdown table in percent (as the paper's tab. 2): ``mean ± se [95% interval]`` per cell."""
         cols = self.columns
 
-        def cell(values: dict[str, float], c: str) -> str:
-            return f"{100 * values[c]:.2f}" if c in values else "-"
+        def cell(metrics: dict, se: dict, ci: dict, c: str) -> str:
+            return _cell(metrics[c], se.get(c), ci.get(c)) if c in metrics else "-"
 
         lines = [
             "| benchmark | problems | samples | " + " | ".join(f"{c} (%)" for c in cols) + " |",
             "|---|---:|---:|" + "---:|" * len(cols),
         ]
         for r in self.rows:
-            lines.append(
-                f"| {r.benchmark} | {r.problems} | {r.samples} | " + " | ".join(cell(r.metrics, c) for c in cols) + " |"
+            cells = " | ".join(cell(r.metrics, r.se, r.ci, c) for c in cols)
+            lines.append(f"| {r.benchmark} | {r.problems} | {r.samples} | {cells} |")
+        cells = " | ".join(cell(self.average, self.average_se, self.average_ci, c) for c in cols)
+        lines.append(f"| average | | | {cells} |")
+        note = "± standard error over problems"
+        if self.replicates:
+            note += (
+                f"; [ ] {round(100 * self.confidence)}% bootstrap interval ({_resampled(self.resample_samples)}; "
+                f"{self.replicates} replicates, seed {self.seed})"
             )
-        lines.append("| average | | | " + " | ".join(cell(self.average, c) for c in cols) + " |")
-        return "\n".join(lines) + "\n"
+        return "\n".join(lines) + f"\n\n{note}.\n"
 
     def __str__(self) -> str:
         return self.to_markdown()
 
 
-def summarize(records: Sequence[dict[str, Any]]) -> EvalSummary:
-    """pass@k per benchmark (benchmarks in order of first appearance) and the average over benchmarks.
-
-    Args:
-        records: dicts with ``benchmark``, ``problem_index``, ``sample_index`` and a numeric ``score``.
-
-    Raises:
-        ValueError: a record without a score, a repeated (benchmark, problem, sample), no records.
-    """
+def _correct(records: Sequence[dict[str, Any]]) -> dict[str, dict[int, list[bool]]]:
+    """Map benchmark -> problem index -> correctness of each sample (benchmarks in order of first appearance)."""
     if not records:
         raise ValueError("no records to summarise")
     correct: dict[str, dict[int, list[bool]]] = {}
@@ -143,30 +269,82 @@ def summarize(records: Sequence[dict[str, Any]]) -> EvalSummary:
         if r.get("score") is None:
             raise ValueError(f"record for benchmark {key[0]!r} problem {key[1]} sample {key[2]} has no score")
         correct.setdefault(key[0], {}).setdefault(key[1], []).append(float(r["score"]) > 0.5)
-    rows = []
-    for bench, problems in correct.items():
-        samples = min(len(s) for s in problems.values())
-        if samples != max(len(s) for s in problems.values()):
+    return correct
+
+
+def summarize(
+    records: Sequence[dict[str, Any]],
+    *,
+    replicates: int = DEFAULT_REPLICATES,
+    seed: int = 0,
+    confidence: float = DEFAULT_CONFIDENCE,
+    resample_samples: bool = True,
+) -> EvalSummary:
+    """pass@k per benchmark with standard errors and bootstrap intervals, and the average over benchmarks.
+
+    Args:
+        records: dicts with ``benchmark``, ``problem_index``, ``sample_index`` and a numeric ``score``.
+        replicates: bootstrap replicates (0: standard errors only).
+        seed: bootstrap seed (each benchmark draws from its own stream derived from it and its name).
+        confidence: interval level.
+        resample_samples: redraw samples within the drawn problems too (False: problems only).
+
+    Raises:
+        ValueError: a record without a score, a repeated (benchmark, problem, sample), no records.
+    """
+    rows, reps = [], {}
+    for bench, problems in _correct(records).items():
+        order = sorted(problems)
+        n = [len(problems[p]) for p in order]
+        c = [sum(problems[p]) for p in order]
+        samples = min(n)
+        if samples != max(n):
             logger.warning(
-                "%s: problems have %d to %d samples; pass@k is reported up to k=%d",
-                bench,
-                samples,
-                max(len(s) for s in problems.values()),
-                samples,
+                "%s: problems have %d to %d samples; pass@k is reported up to k=%d", bench, samples, max(n), samples
             )
-        metrics = {
-            f"pass@{k}": sum(pass_at_k(len(s), sum(s), k) for s in problems.values()) / len(problems)
-            for k in ks_for(samples)
-        }
-        rows.append(BenchmarkResult(bench, len(problems), samples, metrics))
-    shared = set.intersection(*(set(r.metrics) for r in rows))
-    average = {c: sum(r.metrics[c] for r in rows) / len(rows) for c in sorted(shared, key=lambda c: int(c[5:]))}
-    return EvalSummary(rows, average)
+        counts = dict(zip(order, zip(n, c, strict=True), strict=True))
+        row = BenchmarkResult(bench, len(order), samples, counts=counts)
+        ks = ks_for(samples)
+        for k in ks:
+            values = [pass_at_k(a, b, k) for a, b in zip(n, c, strict=True)]
+            row.metrics[f"pass@{k}"], row.se[f"pass@{k}"] = stats.mean_se(values)
+        if replicates:
+            reps[bench] = stats.bootstrap_pass_at_k(
+                n, c, ks, replicates=replicates, seed=_bench_seed(seed, bench), resample_samples=resample_samples
+            )
+            for k, interval in zip(ks, stats.percentile_interval(reps[bench], confidence), strict=True):
+                row.ci[f"pass@{k}"] = (float(interval[0]), float(interval[1]))
+        rows.append(row)
+    summary = EvalSummary(
+        rows, {}, replicates=replicates, seed=seed, confidence=confidence, resample_samples=resample_samples
+    )
+    shared = sorted(set.intersection(*(set(r.metrics) for r in rows)), key=_k_of)
+    for col in shared:
+        summary.average[col] = math.fsum(r.metrics[col] for r in rows) / len(rows)
+        summary.average_se[col] = stats.combined_se([r.se[col] for r in rows])
+        if replicates:
+            per_bench = [reps[r.benchmark][ks_for(r.samples).index(_k_of(col))] for r in rows]
+            low, high = stats.percentile_interval(np.mean(per_bench, axis=0), confidence)
+            summary.average_ci[col] = (float(low), float(high))
+    return summary
 
 
-def write_results(records: Sequence[dict[str, Any]], out_dir: str | os.PathLike) -> EvalSummary:
-    """Write ``responses.jsonl`` (one record per line) and ``summary.{md,csv,json}`` into ``out_dir``."""
-    summary = summarize(records)
+def write_results(
+    records: Sequence[dict[str, Any]],
+    out_dir: str | os.PathLike,
+    *,
+    replicates: int = DEFAULT_REPLICATES,
+    seed: int = 0,
+    confidence: float = DEFAULT_CONFIDENCE,
+    resample_samples: bool = True,
+) -> EvalSummary:
+    """Write ``responses.jsonl`` (one record per line) and ``summary.{md,csv,json}`` into ``out_dir``.
+
+    The keyword arguments are :func:`summarize`'s.
+    """
+    summary = summarize(
+        records, replicates=replicates, seed=seed, confidence=confidence, resample_samples=resample_samples
+    )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     order = {b.benchmark: i for i, b in enumerate(summary.rows)}
@@ -178,6 +356,410 @@ def write_results(records: Sequence[dict[str, Any]], out_dir: str | os.PathLike)
     (out / "summary.csv").write_text(summary.to_csv(), encoding="utf-8")
     (out / "summary.json").write_text(json.dumps(summary.to_dict(), indent=1) + "\n", encoding="utf-8")
     return summary
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Several runs of one setting
+
+
+@dataclass
+class RunsSummary:
+    """One figure over several results of one setting (seeds or checkpoints): mean and spread across runs.
+
+    Attributes:
+        labels: one per run.
+        runs: the per-run summaries (each with its own standard errors and intervals).
+        rows: benchmark (and "average") -> "pass@k" -> per-run values, in run order.
+    """
+
+    labels: list[str]
+    runs: list[EvalSummary]
+    rows: dict[str, dict[str, list[float]]]
+
+    def stats(self, benchmark: str, metric: str) -> dict[str, float]:
+        """mean, sd (ddof 1; 0 for one run), se of the mean (sd / sqrt(runs)), min, max."""
+        values = self.rows[benchmark][metric]
+        mean, sd = stats.mean_sd(values)
+        return {"mean": mean, "sd": sd, "se": sd / math.sqrt(len(values)), "min": min(values), "max": max(values)}
+
+    def _columns(self, benchmark: str) -> list[str]:
+        return sorted(self.rows[benchmark], key=_k_of)
+
+    def to_markdown(self) -> str:
+        """Two tables: mean ± sd [min, max] over runs per benchmark; each run's pass@1 ± its standard error."""
+        cols = sorted({c for metrics in self.rows.values() for c in metrics}, key=_k_of)
+        lines = [
+            f"Across {len(self.labels)} runs ({', '.join(self.labels)}): mean ± sd over runs [min, max], in %.",
+            "",
+            "| benchmark | " + " | ".join(f"{c} (%)" for c in cols) + " |",
+            "|---|" + "---:|" * len(cols),
+        ]
+        for bench, metrics in self.rows.items():
+            cells = []
+            for c in cols:
+                if c not in metrics:
+                    cells.append("-")
+                    continue
+                s = self.stats(bench, c)
+                cells.append(f"{_pct(s['mean'])} ± {_pct(s['sd'])} [{_pct(s['min'])}, {_pct(s['max'])}]")
+            lines.append(f"| {bench} | " + " | ".join(cells) + " |")
+        first = cols[0]
+        lines += [
+            "",
+            f"{first} of each run (%, ± standard error over problems):",
+            "",
+            "| benchmark | " + " | ".join(self.labels) + " |",
+            "|---|" + "---:|" * len(self.labels),
+        ]
+        for bench in self.rows:
+            cells = []
+            for run in self.runs:
+                if bench == "average":
+                    cells.append(_cell(run.average[first], run.average_se.get(first), None))
+                else:
+                    r = run.row(bench)
+                    cells.append(_cell(r.metrics[first], r.se.get(first), None))
+            lines.append(f"| {bench} | " + " | ".join(cells) + " |")
+        return "\n".join(lines) + "\n"
+
+    def to_csv(self) -> str:
+        """Long CSV: benchmark, metric, runs, mean, sd, se, min, max, then one column per run."""
+        buf = io.StringIO()
+        writer = csv.writer(buf, lineterminator="\n")
+        writer.writerow(["benchmark", "metric", "runs", "mean", "sd", "se", "min", "max", *self.labels])
+        for bench in self.rows:
+            for metric in self._columns(bench):
+                s = self.stats(bench, metric)
+                values = self.rows[bench][metric]
+                writer.writerow([bench, metric, len(values), s["mean"], s["sd"], s["se"], s["min"], s["max"], *values])
+        return buf.getvalue()
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (runs.json): across-run statistics and every run's own summary."""
+        return {
+            "labels": self.labels,
+            "benchmarks": [
+                {"benchmark": b, **{m: {**self.stats(b, m), "values": self.rows[b][m]} for m in self._columns(b)}}
+                for b in self.rows
+            ],
+            "runs": [run.to_dict() for run in self.runs],
+        }
+
+    def __str__(self) -> str:
+        return self.to_markdown()
+
+
+def aggregate_runs(summaries: Sequence[EvalSummary], labels: Sequence[str]) -> RunsSummary:
+    """Mean and spread of each benchmark's pass@k over several results of one setting.
+
+    Benchmarks are those of the first run that every run has; a metric is kept where every run reports it.
+    Runs that evaluated different numbers of problems of a benchmark are compared anyway, with a warning.
+
+    Raises:
+        ValueError: no runs, labels of another length, or no benchmark shared by all runs.
+    """
+    if not summaries or len(summaries) != len(labels):
+        raise ValueError(f"aggregate_runs needs one label per run ({len(summaries)} runs, {len(labels)} labels)")
+    names = [r.benchmark for r in summaries[0].rows]
+    shared = [b for b in names if all(any(r.benchmark == b for r in s.rows) for s in summaries)]
+    left_out = sorted({r.benchmark for s in summaries for r in s.rows} - set(shared))
+    if left_out:
+        logger.warning("benchmarks not in every run are left out: %s", ", ".join(left_out))
+    if not shared:
+        raise ValueError("the runs share no benchmark")
+    rows: dict[str, dict[str, list[float]]] = {}
+    for bench in shared:
+        per_run = [s.row(bench) for s in summaries]
+        if len({r.problems for r in per_run}) > 1:
+            logger.warning("%s: runs evaluated %s problems", bench, sorted({r.problems for r in per_run}))
+        metrics = set.intersection(*(set(r.metrics) for r in per_run))
+        rows[bench] = {m: [r.metrics[m] for r in per_run] for m in sorted(metrics, key=_k_of)}
+    if len(shared) == len(names) and all(len(s.rows) == len(names) for s in summaries):
+        metrics = set.intersection(*(set(s.average) for s in summaries))
+        rows["average"] = {m: [s.average[m] for s in summaries] for m in sorted(metrics, key=_k_of)}
+    return RunsSummary(list(labels), list(summaries), rows)
+
+
+def write_runs(runs: RunsSummary, out_dir: str | os.PathLike) -> Path:
+    """Write ``runs.{md,csv,json}`` into ``out_dir``; returns the Markdown path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "runs.md").write_text(runs.to_markdown(), encoding="utf-8")
+    (out / "runs.csv").write_text(runs.to_csv(), encoding="utf-8")
+    (out / "runs.json").write_text(json.dumps(runs.to_dict(), indent=1) + "\n", encoding="utf-8")
+    return out / "runs.md"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Two results, paired by problem
+
+
+@dataclass
+class ComparisonRow:
+    """``a - b`` on one benchmark for one metric, over the problems both results have."""
+
+    benchmark: str
+    metric: str
+    problems: int
+    a: float
+    b: float
+    diff: float
+    se: float
+    ci: tuple[float, float] | None
+    a_better: int
+    b_better: int
+
+
+@dataclass
+class Comparison:
+    """Paired differences of two results, per benchmark and averaged over benchmarks."""
+
+    label_a: str
+    label_b: str
+    rows: list[ComparisonRow]
+    replicates: int
+    seed: int
+    confidence: float
+    resample_samples: bool = False
+
+    def to_markdown(self) -> str:
+        """Markdown table in percent points."""
+        lines = [
+            f"A = {self.label_a}, B = {self.label_b}: pass@k in %, difference A - B paired by problem "
+            f"(± standard error; {round(100 * self.confidence)}% paired bootstrap interval, "
+            f"{_resampled(self.resample_samples)}; {self.replicates} replicates, seed {self.seed}).",
+            "",
+            "| benchmark | metric | problems | A | B | A - B | ± se | interval | problems A > B / A < B |",
+            "|---|---|---:|---:|---:|---:|---:|---|---:|",
+        ]
+        for r in self.rows:
+            interval = f"[{_pct(r.ci[0])}, {_pct(r.ci[1])}]" if r.ci is not None else "-"
+            problems = "" if r.benchmark == "average" else str(r.problems)
+            wins = "" if r.benchmark == "average" else f"{r.a_better} / {r.b_better}"
+            lines.append(
+                f"| {r.benchmark} | {r.metric} | {problems} | {_pct(r.a)} | {_pct(r.b)} | {100 * r.diff:+.2f} | "
+                f"{_pct(r.se)} | {interval} | {wins} |"
+            )
+        return "\n".join(lines) + "\n"
+
+    def to_csv(self) -> str:
+        """CSV, values in [0, 1]."""
+        buf = io.StringIO()
+        writer = csv.writer(buf, lineterminator="\n")
+        writer.writerow(
+            ["benchmark", "metric", "problems", "a", "b", "diff", "se", "ci_low", "ci_high", "a_better", "b_better"]
+        )
+        for r in self.rows:
+            low, high = r.ci if r.ci is not None else ("", "")
+            writer.writerow(
+                [r.benchmark, r.metric, r.problems, r.a, r.b, r.diff, r.se, low, high, r.a_better, r.b_better]
+            )
+        return buf.getvalue()
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (comparison.json)."""
+        return {
+            "a": self.label_a,
+            "b": self.label_b,
+            "replicates": self.replicates,
+            "seed": self.seed,
+            "confidence": self.confidence,
+            "bootstrap": _resampled(self.resample_samples),
+            "rows": [
+                {**r.__dict__, "ci": list(r.ci) if r.ci is not None else None}  # tuples become JSON lists
+                for r in self.rows
+            ],
+        }
+
+    def __str__(self) -> str:
+        return self.to_markdown()
+
+
+def compare_results(
+    records_a: Sequence[dict[str, Any]],
+    records_b: Sequence[dict[str, Any]],
+    *,
+    ks: Sequence[int] = (1,),
+    labels: tuple[str, str] = ("A", "B"),
+    replicates: int = DEFAULT_REPLICATES,
+    seed: int = 0,
+    confidence: float = DEFAULT_CONFIDENCE,
+    resample_samples: bool = False,
+) -> Comparison:
+    """Paired difference ``pass@k(A) - pass@k(B)`` per benchmark on the problems both results have.
+
+    The standard error is that of the mean per-problem difference (:func:`nemo_disco.stats.paired_difference`);
+    the interval is a paired bootstrap that draws the same problems for both results. By default only problems
+    are drawn: a paired difference is dominated by the sample noise inside each problem, which the problem
+    draw carries already, and redrawing samples as well counts it twice (a nominal 95% interval covered the
+    true difference in 99.7% of simulated 500-problem benchmarks; ``docs/evaluation.md``). The average row
+    averages the benchmarks' differences (standard errors combined as independent).
+
+    Args:
+        records_a: graded records of result A.
+        records_b: graded records of result B.
+        ks: the k compared (each at most the fewest samples of a problem in either result).
+        labels: names of A and B for the tables.
+        replicates: bootstrap replicates (0: no interval).
+        seed: bootstrap seed.
+        confidence: interval level.
+        resample_samples: for pass@1, redraw samples within the drawn problems too (conservative).
+
+    Raises:
+        ValueError: the results share no benchmark or no problem, a k above the samples, ungraded records.
+    """
+    ca, cb = _correct(records_a), _correct(records_b)
+    shared = [b for b in ca if b in cb]
+    only = sorted(set(ca) ^ set(cb))
+    if only:
+        logger.warning("benchmarks in only one result are left out: %s", ", ".join(only))
+    if not shared:
+        raise ValueError(f"the results share no benchmark ({', '.join(ca)} vs {', '.join(cb)})")
+    rows: list[ComparisonRow] = []
+    reps: dict[str, np.ndarray] = {}
+    for bench in shared:
+        problems = sorted(set(ca[bench]) & set(cb[bench]))
+        if not problems:
+            raise ValueError(f"{bench}: the results share no problem index")
+        unpaired = len(set(ca[bench]) ^ set(cb[bench]))
+        if unpaired:
+            logger.warning("%s: %d problems are in only one result and are left out", bench, unpaired)
+        na, xa = [len(ca[bench][p]) for p in problems], [sum(ca[bench][p]) for p in problems]
+        nb, xb = [len(cb[bench][p]) for p in problems], [sum(cb[bench][p]) for p in problems]
+        most = min(min(na), min(nb))
+        if max(ks) > most:
+            raise ValueError(f"{bench}: k={max(ks)} needs that many samples per problem; the results have {most}")
+        if replicates:
+            reps[bench] = stats.paired_bootstrap_pass_at_k(
+                na,
+                xa,
+                nb,
+                xb,
+                ks,
+                replicates=replicates,
+                seed=_bench_seed(seed, bench),
+                resample_samples=resample_samples,
+            )
+        for i, k in enumerate(ks):
+            va = [pass_at_k(n, x, k) for n, x in zip(na, xa, strict=True)]
+            vb = [pass_at_k(n, x, k) for n, x in zip(nb, xb, strict=True)]
+            diff, se = stats.paired_difference(va, vb)
+            ci = None
+            if replicates:
+                low, high = stats.percentile_interval(reps[bench][i], confidence)
+                ci = (float(low), float(high))
+            rows.append(
+                ComparisonRow(
+                    bench,
+                    f"pass@{k}",
+                    len(problems),
+                    math.fsum(va) / len(va),
+                    math.fsum(vb) / len(vb),
+                    diff,
+                    se,
+                    ci,
+                    sum(a > b for a, b in zip(va, vb, strict=True)),
+                    sum(a < b for a, b in zip(va, vb, strict=True)),
+                )
+            )
+    if len(shared) > 1:
+        for i, k in enumerate(ks):
+            per = [r for r in rows if r.metric == f"pass@{k}"]
+            ci = None
+            if replicates:
+                low, high = stats.percentile_interval(np.mean([reps[b][i] for b in shared], axis=0), confidence)
+                ci = (float(low), float(high))
+            rows.append(
+                ComparisonRow(
+                    "average",
+                    f"pass@{k}",
+                    sum(r.problems for r in per),
+                    math.fsum(r.a for r in per) / len(per),
+                    math.fsum(r.b for r in per) / len(per),
+                    math.fsum(r.diff for r in per) / len(per),
+                    stats.combined_se([r.se for r in per]),
+                    ci,
+                    sum(r.a_better for r in per),
+                    sum(r.b_better for r in per),
+                )
+            )
+    return Comparison(labels[0], labels[1], rows, replicates, seed, confidence, resample_samples)
+
+
+def write_comparison(comparison: Comparison, out_dir: str | os.PathLike) -> Path:
+    """Write ``comparison.{md,csv,json}`` into ``out_dir``; returns the Markdown path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "comparison.md").write_text(comparison.to_markdown(), encoding="utf-8")
+    (out / "comparison.csv").write_text(comparison.to_csv(), encoding="utf-8")
+    (out / "comparison.json").write_text(json.dumps(comparison.to_dict(), indent=1) + "\n", encoding="utf-8")
+    return out / "comparison.md"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# pass@k against k
+
+
+def plot_pass_at_k(
+    summaries: Sequence[EvalSummary],
+    labels: Sequence[str],
+    out: str | os.PathLike,
+    *,
+    benchmarks: Sequence[str] | None = None,
+) -> Path:
+    """PNG of pass@k against k (log2 axis) for several results: one panel per benchmark and the average.
+
+    Each result is a line with its bootstrap interval as a band (when the summaries have intervals).
+
+    Raises:
+        ValueError: no results, labels of another length, or a requested benchmark no result has.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not summaries or len(summaries) != len(labels):
+        raise ValueError(f"plot_pass_at_k needs one label per result ({len(summaries)} results, {len(labels)} labels)")
+    present = list(dict.fromkeys(r.benchmark for s in summaries for r in s.rows))
+    names = list(benchmarks) if benchmarks else present
+    missing = [b for b in names if b not in present]
+    if missing:
+        raise ValueError(f"no result has benchmark(s) {', '.join(missing)} (they have {', '.join(present)})")
+    panels = names + (["average"] if len(names) > 1 else [])
+    cols = min(3, len(panels))
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.4 * rows), squeeze=False)
+    for ax, bench in zip(axes.flat, panels, strict=False):
+        for s, label in zip(summaries, labels, strict=True):
+            if bench == "average":
+                metrics, ci = s.average, s.average_ci
+            elif any(r.benchmark == bench for r in s.rows):
+                r = s.row(bench)
+                metrics, ci = r.metrics, r.ci
+            else:
+                continue
+            cols_k = sorted(metrics, key=_k_of)
+            ks = [_k_of(c) for c in cols_k]
+            (line,) = ax.plot(ks, [100 * metrics[c] for c in cols_k], marker="o", ms=3, label=label)
+            if all(c in ci for c in cols_k):
+                low = [100 * ci[c][0] for c in cols_k]
+                high = [100 * ci[c][1] for c in cols_k]
+                ax.fill_between(ks, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
+        ax.set_xscale("log", base=2)
+        ax.set_title(bench)
+        ax.set_xlabel("k")
+        ax.set_ylabel("pass@k (%)")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -212,6 +794,43 @@ def _read_records(path: Path) -> tuple[list[dict[str, Any]], list[int]]:
     return records, lines
 
 
+def result_file(path: str | os.PathLike) -> Path:
+    """The ``responses.jsonl`` of a results folder, or ``path`` itself when it is a file.
+
+    Raises:
+        FileNotFoundError: neither a file nor a folder holding responses.jsonl.
+    """
+    path = Path(path)
+    if path.is_dir():
+        if not (path / RESPONSES_FILE).is_file():
+            raise FileNotFoundError(f"results folder {path} has no {RESPONSES_FILE}")
+        return path / RESPONSES_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"results not found: {path} (a folder holding {RESPONSES_FILE}, or such a file)")
+    return path
+
+
+def result_label(path: str | os.PathLike) -> str:
+    """A short name for a result: its folder's name (the parent folder's for a responses file)."""
+    path = Path(path).resolve()
+    return path.parent.name if path.is_file() else path.name
+
+
+def load_results(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The graded records of a results folder or responses file.
+
+    Raises:
+        FileNotFoundError: no such results.
+        ValueError: a bad line, or a record without a score (``FILE:LINE: ...``).
+    """
+    file = result_file(path)
+    records, lines = _read_records(file)
+    for r, line in zip(records, lines, strict=True):
+        if r.get("score") is None:
+            raise ValueError(f"{file}:{line}: record has no score; grade it first: nemo-disco eval --responses {file}")
+    return records
+
+
 def _benchmark_key(name_or_path: str) -> str:
     """The name records use for a benchmark: the name itself, or a file's stem."""
     return name_or_path if name_or_path in BENCHMARKS else Path(name_or_path).stem
@@ -226,6 +845,9 @@ def grade_responses_file(
     regrade: bool = False,
     timeout_s: float = 5.0,
     workers: int = 2,
+    replicates: int = DEFAULT_REPLICATES,
+    seed: int = 0,
+    resample_samples: bool = True,
 ) -> EvalSummary:
     """Tabulate a ``responses.jsonl``; records without a score (all of them with ``regrade``) are graded.
 
@@ -240,12 +862,15 @@ def grade_responses_file(
         regrade: grade every record, replacing stored scores.
         timeout_s: per-item grading limit.
         workers: grading processes.
+        replicates: bootstrap replicates of the intervals (0: none).
+        seed: bootstrap seed.
+        resample_samples: the bootstrap redraws samples within problems too (False: problems only).
 
     Raises:
         ValueError: a bad line (``FILE:LINE: what``), a problem index the benchmark lacks, nothing to tabulate.
         FileNotFoundError: the file or a needed benchmark file is missing.
     """
-    path = Path(path)
+    path = result_file(path)
     records, lines = _read_records(path)
     sources = {_benchmark_key(b): b for b in benchmarks} if benchmarks is not None else None
     if sources is not None:
@@ -286,11 +911,59 @@ def grade_responses_file(
             )
         for i, s in zip(todo, scores, strict=True):
             records[i]["score"] = s
-    return write_results(records, out_dir) if out_dir is not None else summarize(records)
+    kwargs = {"replicates": replicates, "seed": seed, "resample_samples": resample_samples}
+    return write_results(records, out_dir, **kwargs) if out_dir is not None else summarize(records, **kwargs)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Generating and grading
+
+
+_CONFIG_FILE = "config.json"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+_WEIGHT_GLOBS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json")
+
+
+def check_model(model: str | os.PathLike) -> str:
+    """Check that a model can be loaded: a Hugging Face folder with config, tokenizer and weights, or a hub id.
+
+    A hub id (``owner/name`` or ``name``, not a path that exists) is checked by loading its tokenizer (which
+    caches it); a folder is checked for its files without loading anything.
+
+    Returns:
+        ``model`` as a string.
+
+    Raises:
+        FileNotFoundError: no such folder, and not a hub id.
+        ValueError: the folder lacks config, tokenizer or weights; the hub id cannot be loaded. One line each,
+            naming the model and what was tried.
+    """
+    text = str(model)
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / _CONFIG_FILE).is_file():
+            raise ValueError(f"model folder {path} has no {_CONFIG_FILE}: not a Hugging Face model folder")
+        if not any((path / f).is_file() for f in _TOKENIZER_FILES):
+            raise ValueError(f"model folder {path} has no tokenizer files (looked for {', '.join(_TOKENIZER_FILES)})")
+        if not any(any(path.glob(g)) for g in _WEIGHT_GLOBS):
+            raise ValueError(f"model folder {path} has no weights (looked for {', '.join(_WEIGHT_GLOBS)})")
+        return text
+    if path.exists():
+        raise ValueError(f"model {path} is a file; expected a Hugging Face model folder")
+    if path.is_absolute() or text.startswith((".", "~")) or text.count("/") > 1:
+        raise FileNotFoundError(f"model folder not found: {path} (and not an owner/name hub id)")
+    from transformers import AutoTokenizer
+
+    try:
+        with quiet_hub_logs():
+            AutoTokenizer.from_pretrained(text)
+    except Exception as err:  # missing repo, no network, no tokenizer: one line
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(
+            f"cannot load model {text!r}: no folder {path.resolve()}; tried the Hugging Face hub through "
+            f"{hub_tried()}: {type(err).__name__}: {first}"
+        ) from None
+    return text
 
 
 def _build_generator(
@@ -337,6 +1010,9 @@ def evaluate_model(
     workers: int = 2,
     tensor_parallel_size: int = 1,
     generator: Any | None = None,
+    replicates: int = DEFAULT_REPLICATES,
+    bootstrap_seed: int = 0,
+    resample_samples: bool = True,
 ) -> EvalSummary:
     """Sample ``samples`` responses per benchmark problem, grade them, write and return the pass@k table.
 
@@ -359,9 +1035,13 @@ def evaluate_model(
         workers: grading processes.
         tensor_parallel_size: vLLM tensor parallelism.
         generator: an already built Generator (then ``backend`` is unused and it is not shut down here).
+        replicates: bootstrap replicates of the intervals (0: none).
+        bootstrap_seed: bootstrap seed.
+        resample_samples: the bootstrap redraws samples within problems too (False: problems only).
 
     Raises:
-        ValueError / FileNotFoundError: bad benchmark names, files or settings.
+        ValueError / FileNotFoundError: a model that cannot be loaded (one line naming it and what was
+            tried), bad benchmark names, files or settings.
     """
     from transformers import AutoTokenizer
 
@@ -370,7 +1050,9 @@ def evaluate_model(
 
     if samples < 1 or max_tokens < 1:
         raise ValueError(f"samples={samples} and max_tokens={max_tokens} must be >= 1")
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    check_model(model_dir)
+    with quiet_hub_logs():
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     sets = []
     for bench in benchmarks:
         problems, _ = load_problems(resolve_benchmark(bench))
@@ -427,4 +1109,6 @@ def evaluate_model(
     finally:
         if own:
             generator.shutdown()
-    return write_results(records, out_dir)
+    return write_results(
+        records, out_dir, replicates=replicates, seed=bootstrap_seed, resample_samples=resample_samples
+    )

@@ -5,12 +5,20 @@ from __future__ import annotations
 import json
 import logging
 import re
+import shutil
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
 
+from nemo_disco import cli
+from nemo_disco import config as config_lib
 from nemo_disco.data import (
+    BENCHMARK_DIR_ENV,
     BENCHMARKS,
+    SHIPPED_BENCHMARK_DIR,
     Problem,
     PromptSampler,
     encode_prompts,
@@ -21,7 +29,8 @@ from nemo_disco.data import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-SHARED = ROOT.parent / "shared" / "data"
+# Real DeepScaleR training files, present in the development setup only (the benchmarks ship in the package).
+SHARED_TRAIN = ROOT.parent / "shared" / "data" / "train"
 INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
 
 ROWS = [
@@ -138,9 +147,9 @@ def test_skip_bad_rows_counts_and_warns_once(tmp_path, caplog):
     assert warnings == [f"{path}: skipped 2 bad row(s); first: row 1: answer is missing"]
 
 
-@pytest.mark.skipif(not (SHARED / "train" / "math.json").is_file(), reason="shared data absent")
+@pytest.mark.skipif(not (SHARED_TRAIN / "math.json").is_file(), reason="DeepScaleR training file absent")
 def test_real_training_file_has_four_bad_rows():
-    path = SHARED / "train" / "math.json"
+    path = SHARED_TRAIN / "math.json"
     with pytest.raises(ValueError, match=re.escape(f"{path}:row 886: answer is missing")):
         load_problems(path)
     problems, skipped = load_problems(path, on_bad_row="skip")
@@ -176,31 +185,79 @@ def test_hub_dataset_error_is_one_line(monkeypatch):
     with pytest.raises(ValueError) as err:
         load_problems("nemo-disco-test/no-such-dataset")
     msg = str(err.value)
-    assert msg.startswith("cannot load Hugging Face dataset 'nemo-disco-test/no-such-dataset' (split 'train'): ")
+    assert msg.startswith(
+        "cannot load dataset 'nemo-disco-test/no-such-dataset' (split 'train'): no local file or folder of that "
+        "name; tried the Hugging Face hub through the local Hugging Face cache only (HF_HUB_OFFLINE is set): "
+    )
     assert "\n" not in msg
 
 
 def test_resolve_benchmark(tmp_path, monkeypatch):
-    monkeypatch.setenv("NEMO_DISCO_BENCHMARK_DIR", str(tmp_path))
+    monkeypatch.delenv(BENCHMARK_DIR_ENV, raising=False)
+    assert resolve_benchmark("aime") == SHIPPED_BENCHMARK_DIR / "aime.json"  # shipped with the package
+    # $NEMO_DISCO_BENCHMARK_DIR wins, and a file missing there is an error (no silent fall-back).
+    monkeypatch.setenv(BENCHMARK_DIR_ENV, str(tmp_path))
     with pytest.raises(FileNotFoundError, match=r"benchmark 'aime': .*aime.json not found .*NEMO_DISCO_BENCHMARK_DIR"):
         resolve_benchmark("aime")
     (tmp_path / "aime.json").write_text(json.dumps([{"problem": "p", "answer": 5}]))
     assert resolve_benchmark("aime") == tmp_path / "aime.json"
     assert load_problems("aime")[0][0].answer == "5"
-    assert resolve_benchmark(tmp_path / "aime.json") == tmp_path / "aime.json"
+    # An explicit path wins over both.
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps([{"problem": "q", "answer": 6}]))
+    assert resolve_benchmark(other) == other
     with pytest.raises(FileNotFoundError, match="neither a file nor a benchmark name"):
         resolve_benchmark("gsm8k")
 
 
-@pytest.mark.skipif(not (SHARED / "benchmarks").is_dir(), reason="shared data absent")
-def test_real_benchmarks_load(monkeypatch):
-    monkeypatch.delenv("NEMO_DISCO_BENCHMARK_DIR", raising=False)  # the default ../shared/data/benchmarks
+def test_shipped_benchmarks_load(monkeypatch):
+    monkeypatch.delenv(BENCHMARK_DIR_ENV, raising=False)
     sizes = {name: len(load_problems(name)[0]) for name in BENCHMARKS}
     assert sizes == {"aime": 30, "aime25": 30, "math": 500, "amc": 83, "minerva": 272, "olympiad_bench": 675}
     amc, _ = load_problems("amc")
     assert all(re.fullmatch(r"-?\d+", p.answer) for p in amc)  # JSON floats 142.0 -> "142"
     olympiad, _ = load_problems("olympiad_bench")
     assert all(isinstance(p.answer, list) for p in olympiad)
+    readme = (SHIPPED_BENCHMARK_DIR / "README.md").read_text()
+    assert all(f"{name}.json" in readme for name in BENCHMARKS) and "MIT License" in readme
+    assert (SHIPPED_BENCHMARK_DIR / "LICENSE-deepscaler").is_file()
+
+
+def test_the_wheel_ships_the_benchmarks(tmp_path):
+    # Build the wheel from a copy of the project (setuptools writes build/ and *.egg-info beside the sources).
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    shutil.copytree(ROOT / "nemo_disco", src / "nemo_disco", ignore=shutil.ignore_patterns("__pycache__"))
+    cmd = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), "."]
+    proc = subprocess.run(cmd, cwd=src, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (wheel,) = tmp_path.glob("nemo_disco-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    shipped = {f"nemo_disco/benchmark_data/{b}.json" for b in BENCHMARKS}
+    assert shipped | {"nemo_disco/benchmark_data/README.md", "nemo_disco/benchmark_data/LICENSE-deepscaler"} <= names
+
+
+def test_data_val_and_train_accept_benchmark_names(monkeypatch):
+    # data.val: aime (validation on a shipped benchmark) and data.train: a benchmark name both resolve through
+    # the loader; the start-up check of `nemo-disco train` loads them the same way.
+    monkeypatch.delenv(BENCHMARK_DIR_ENV, raising=False)
+    cfg = config_lib.load(ROOT / "recipes" / "tiny-cpu.yaml", ["data.val=aime", "data.train=math"])
+    cli._check_sources(cfg)
+    val, _ = load_problems(cfg.data.val, on_bad_row="skip")
+    assert len(val) == 30 and all(p.source == str(SHIPPED_BENCHMARK_DIR / "aime.json") for p in val)
+    assert len(load_problems(cfg.data.train)[0]) == 500
+
+
+def test_train_with_a_missing_data_file_fails_before_building_a_model(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    overrides = [f"data.train={tmp_path / 'missing.jsonl'}", f"logging.run_dir={run_dir}"]
+    assert cli.main(["train", "--config", str(ROOT / "recipes" / "tiny-cpu.yaml"), *overrides]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"nemo-disco train: error: data file not found: {tmp_path / 'missing.jsonl'} (nor a ")
+    assert err.count("\n") == 1
+    assert not run_dir.exists()  # nothing was built or warmed up
 
 
 # ----------------------------------------------------------------------------------------------------------------------

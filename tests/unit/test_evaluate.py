@@ -1,21 +1,33 @@
-"""pass@k estimator, tables, writers, re-grading a responses file, and a tiny end-to-end evaluation."""
+"""pass@k estimator, tables with uncertainty, writers, re-grading, several runs, paired comparison, plots, CLI."""
 
 from __future__ import annotations
 
 import csv
+import io
 import itertools
 import json
 import math
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from nemo_disco import cli
+from nemo_disco.data import BENCHMARK_DIR_ENV, load_problems
 from nemo_disco.evaluate import (
     RESPONSES_FILE,
+    aggregate_runs,
+    check_model,
+    compare_results,
     evaluate_model,
     grade_responses_file,
     ks_for,
+    load_results,
     pass_at_k,
+    plot_pass_at_k,
     summarize,
     write_results,
 )
@@ -99,6 +111,14 @@ def responses_file(tmp_path) -> tuple[Path, list[str]]:
     return path, benchmarks
 
 
+# Standard errors over problems of pass@1 (per-problem values c / 4, sample sd with ddof 1):
+#   alpha: values 1/2, 0, 1; mean 1/2; variance (0 + 1/4 + 1/4) / 2 = 1/4; se = sqrt(1/4 / 3) = 0.288675
+#   beta:  values 1/4, 3/4; mean 1/2; variance (1/16 + 1/16) / 1 = 1/8; se = sqrt(1/8 / 2) = 1/4
+#   average: sqrt(se_alpha^2 + se_beta^2) / 2 = sqrt(1/12 + 1/16) / 2 = 0.190941
+EXPECTED_SE1 = {"alpha": math.sqrt(1 / 12), "beta": 0.25}
+EXPECTED_AVERAGE_SE1 = math.sqrt(1 / 12 + 1 / 16) / 2
+
+
 def _assert_table(summary) -> None:
     got = {r.benchmark: r.metrics for r in summary.rows}
     assert got.keys() == EXPECTED.keys()
@@ -106,6 +126,8 @@ def _assert_table(summary) -> None:
         assert got[bench] == pytest.approx(metrics, abs=1e-12), bench
     assert summary.average == pytest.approx(EXPECTED_AVERAGE, abs=1e-12)
     assert [(r.problems, r.samples) for r in summary.rows] == [(3, 4), (2, 4)]
+    assert {r.benchmark: r.se["pass@1"] for r in summary.rows} == pytest.approx(EXPECTED_SE1, abs=1e-12)
+    assert summary.average_se["pass@1"] == pytest.approx(EXPECTED_AVERAGE_SE1, abs=1e-12)
 
 
 @pytest.mark.parametrize("grader", ["math_verify", "deepscaler"])
@@ -138,16 +160,25 @@ def test_write_results_files(tmp_path):
     ]
     summary = write_results(records, tmp_path / "res")
     # alpha: pass@1 (1/2 + 0) / 2 = 1/4, pass@2 (1 + 0) / 2 = 1/2; beta: 1, 1; average 5/8, 3/4
+    # se of alpha's pass@1: values 1/2, 0 -> variance 1/8 -> se sqrt(1/8 / 2) = 1/4; beta: 0 (both 1)
+    # average se: sqrt(1/16 + 0) / 2 = 1/8
     with (tmp_path / "res" / "summary.csv").open() as f:
         rows = list(csv.DictReader(f))
-    assert [(r["benchmark"], float(r["pass@1"]), float(r["pass@2"])) for r in rows] == [
-        ("alpha", 0.25, 0.5),
-        ("beta", 1.0, 1.0),
-        ("average", 0.625, 0.75),
+    assert [(r["benchmark"], float(r["pass@1"]), float(r["pass@2"]), float(r["pass@1_se"])) for r in rows] == [
+        ("alpha", 0.25, 0.5, 0.25),
+        ("beta", 1.0, 1.0, 0.0),
+        ("average", 0.625, 0.75, 0.125),
     ]
+    for r in rows:  # every interval lies in [0, 1]
+        assert 0.0 <= float(r["pass@1_ci_low"]) <= float(r["pass@1_ci_high"]) <= 1.0
+    # beta solves every sample: every bootstrap replicate is 1, so its interval is [1, 1].
+    assert (float(rows[1]["pass@1_ci_low"]), float(rows[1]["pass@1_ci_high"])) == (1.0, 1.0)
     assert json.loads((tmp_path / "res" / "summary.json").read_text()) == summary.to_dict()
     md = (tmp_path / "res" / "summary.md").read_text()
-    assert "| alpha | 2 | 2 | 25.00 | 50.00 |" in md and "| average | | | 62.50 | 75.00 |" in md
+    alpha = summary.row("alpha").ci["pass@1"]
+    assert f"| alpha | 2 | 2 | 25.00 ± 25.00 [{100 * alpha[0]:.2f}, {100 * alpha[1]:.2f}] |" in md
+    assert "| average | | | 62.50 ± 12.50 [" in md
+    assert "95% bootstrap interval" in md and "2000 replicates, seed 0" in md
     assert str(summary) == md
     assert len((tmp_path / "res" / RESPONSES_FILE).read_text().splitlines()) == 6
 
@@ -182,7 +213,7 @@ def test_bad_lines_name_file_and_line(responses_file, tmp_path):
     bad.write_text(json.dumps({"benchmark": "alpha", "problem_index": 7, "sample_index": 0, "response": ""}) + "\n")
     with pytest.raises(ValueError, match=rf"^{bad}:1: problem_index 7 is not in benchmark 'alpha' \(3 problems\)"):
         grade_responses_file(bad, benchmarks)
-    with pytest.raises(FileNotFoundError, match="responses file not found"):
+    with pytest.raises(FileNotFoundError, match="results not found: .*none.jsonl"):
         grade_responses_file(tmp_path / "none.jsonl", benchmarks)
     with pytest.raises(ValueError, match="no records of benchmarks aime"):
         grade_responses_file(path, ["aime"])
@@ -223,3 +254,230 @@ def test_evaluate_model_tiny_hf(tiny_qwen2, tmp_path):
     assert grade_responses_file(out / RESPONSES_FILE, [str(bench)], regrade=True, workers=1).to_dict() == (
         summary.to_dict()
     )
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Intervals
+
+
+def _records(table: dict[tuple[str, int], list[int]]) -> list[dict]:
+    """Graded records from {(benchmark, problem): [score of each sample]}."""
+    return [
+        {"benchmark": b, "problem_index": p, "sample_index": j, "response": "", "score": float(s)}
+        for (b, p), scores in table.items()
+        for j, s in enumerate(scores)
+    ]
+
+
+def test_intervals_are_seeded_and_per_benchmark():
+    records = _records({("alpha", p): [p % 2, 1, 0, p % 3 == 0] for p in range(12)} | {("beta", 0): [1, 0, 1, 1]})
+    a, b = summarize(records), summarize(records)
+    assert [r.ci for r in a.rows] == [r.ci for r in b.rows] and a.average_ci == b.average_ci
+    assert summarize(records, seed=1).row("alpha").ci != a.row("alpha").ci
+    # Each benchmark draws from its own stream (seed, name): its interval does not depend on the other rows.
+    alone = summarize([r for r in records if r["benchmark"] == "alpha"])
+    assert alone.row("alpha").ci == a.row("alpha").ci
+    for r in a.rows:
+        for key, (low, high) in r.ci.items():
+            assert 0.0 <= low <= r.metrics[key] <= high <= 1.0, (r.benchmark, key)
+    plain = summarize(records, replicates=0)
+    assert plain.row("alpha").ci == {} and plain.average_ci == {} and plain.row("alpha").se == a.row("alpha").se
+    assert "bootstrap" not in plain.to_markdown()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Several runs of one setting
+
+
+# Three runs on one benchmark, 2 problems x 2 samples:
+#   run a: p0 [1, 1], p1 [0, 0] -> pass@1 (1 + 0) / 2 = 0.5,          pass@2 (1 + 0) / 2 = 0.5
+#   run b: p0 [1, 0], p1 [0, 0] -> pass@1 (1/2 + 0) / 2 = 0.25,       pass@2 (1 + 0) / 2 = 0.5
+#   run c: p0 [1, 1], p1 [1, 0] -> pass@1 (1 + 1/2) / 2 = 0.75,       pass@2 (1 + 1) / 2 = 1.0
+# pass@1 over runs: mean 0.5; deviations 0, -1/4, 1/4 -> variance (1/16 + 1/16) / 2 = 1/16 -> sd 1/4
+# pass@2 over runs: mean 2/3; deviations -1/6, -1/6, 1/3 -> variance (1/36 + 1/36 + 4/36) / 2 = 1/12
+RUNS = {
+    "a": {("alpha", 0): [1, 1], ("alpha", 1): [0, 0]},
+    "b": {("alpha", 0): [1, 0], ("alpha", 1): [0, 0]},
+    "c": {("alpha", 0): [1, 1], ("alpha", 1): [1, 0]},
+}
+
+
+def test_aggregate_runs_hand_computed():
+    runs = aggregate_runs([summarize(_records(t)) for t in RUNS.values()], list(RUNS))
+    s1 = runs.stats("alpha", "pass@1")
+    assert s1 == pytest.approx({"mean": 0.5, "sd": 0.25, "se": 0.25 / math.sqrt(3), "min": 0.25, "max": 0.75})
+    s2 = runs.stats("alpha", "pass@2")
+    assert s2 == pytest.approx({"mean": 2 / 3, "sd": math.sqrt(1 / 12), "se": math.sqrt(1 / 36), "min": 0.5, "max": 1})
+    assert runs.rows["average"]["pass@1"] == [0.5, 0.25, 0.75]  # one benchmark: the average is that benchmark
+    md = runs.to_markdown()
+    assert "| alpha | 50.00 ± 25.00 [25.00, 75.00] | 66.67 ± 28.87 [50.00, 100.00] |" in md
+    assert "| alpha | 50.00 ± 50.00 | 25.00 ± 25.00 | 75.00 ± 25.00 |" in md  # each run's pass@1 ± its own se
+    rows = list(csv.DictReader(io.StringIO(runs.to_csv())))
+    first = rows[0]
+    assert (first["benchmark"], first["metric"], first["runs"], first["a"], first["b"], first["c"]) == (
+        "alpha", "pass@1", "3", "0.5", "0.25", "0.75",
+    )  # fmt: skip
+    assert json.loads(json.dumps(runs.to_dict()))["labels"] == ["a", "b", "c"]
+    with pytest.raises(ValueError, match="one label per run"):
+        aggregate_runs([summarize(_records(RUNS["a"]))], ["a", "b"])
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Two results, paired by problem
+
+# alpha, 2 samples per problem; correct counts A [2, 1, 1, 0], B [1, 1, 0, 0]
+#   pass@1 A: (1 + 1/2 + 1/2 + 0) / 4 = 1/2; B: (1/2 + 1/2 + 0 + 0) / 4 = 1/4
+#   per-problem differences 1/2, 0, 1/2, 0: mean 1/4; variance 4 * (1/4)^2 / 3 = 1/12; se sqrt(1/12 / 4)
+#   A better on 2 problems, B on none. pass@2: A [1, 1, 1, 0] -> 3/4, B [1, 1, 0, 0] -> 1/2, diff 1/4
+# beta, correct counts A [2, 2], B [0, 2]: differences 1, 0: mean 1/2; variance 1/2; se sqrt(1/2 / 2) = 1/2
+# average of pass@1: diff (1/4 + 1/2) / 2 = 3/8; se sqrt(1/48 + 1/4) / 2
+COUNTS_A = {("alpha", 0): [1, 1], ("alpha", 1): [1, 0], ("alpha", 2): [0, 1], ("alpha", 3): [0, 0],
+            ("beta", 0): [1, 1], ("beta", 1): [1, 1], ("alpha", 9): [1, 1]}  # fmt: skip
+COUNTS_B = {("alpha", 0): [0, 1], ("alpha", 1): [1, 0], ("alpha", 2): [0, 0], ("alpha", 3): [0, 0],
+            ("beta", 0): [0, 0], ("beta", 1): [1, 1]}  # fmt: skip
+
+
+def test_compare_results_hand_computed():
+    cmp = compare_results(_records(COUNTS_A), _records(COUNTS_B), ks=[1, 2], labels=("disco", "grpo"))
+    rows = {(r.benchmark, r.metric): r for r in cmp.rows}
+    alpha = rows[("alpha", "pass@1")]
+    assert alpha.problems == 4  # problem 9 is only in A: left out of the pairing
+    assert (alpha.a, alpha.b, alpha.diff) == (pytest.approx(0.5), pytest.approx(0.25), pytest.approx(0.25))
+    assert alpha.se == pytest.approx(math.sqrt(1 / 48))
+    assert (alpha.a_better, alpha.b_better) == (2, 0)
+    # Problems only (the default): replicate differences are means of 4 draws from {1/2, 0, 1/2, 0}.
+    assert 0.0 <= alpha.ci[0] <= 0.25 <= alpha.ci[1] <= 0.5
+    assert rows[("alpha", "pass@2")].diff == pytest.approx(0.25)
+    beta = rows[("beta", "pass@1")]
+    assert (beta.diff, beta.se) == (pytest.approx(0.5), pytest.approx(0.5))
+    avg = rows[("average", "pass@1")]
+    assert (avg.diff, avg.se) == (pytest.approx(3 / 8), pytest.approx(math.sqrt(1 / 48 + 1 / 4) / 2))
+    md = cmp.to_markdown()
+    assert "A = disco, B = grpo" in md and "| alpha | pass@1 | 4 | 50.00 | 25.00 | +25.00 | 14.43 | [" in md
+    parsed = list(csv.DictReader(io.StringIO(cmp.to_csv())))
+    assert [(r["benchmark"], r["metric"]) for r in parsed] == [
+        ("alpha", "pass@1"), ("alpha", "pass@2"), ("beta", "pass@1"), ("beta", "pass@2"),
+        ("average", "pass@1"), ("average", "pass@2"),
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="k=4 needs that many samples"):
+        compare_results(_records(COUNTS_A), _records(COUNTS_B), ks=[4])
+    with pytest.raises(ValueError, match="share no benchmark"):
+        compare_results(_records({("x", 0): [1]}), _records({("y", 0): [1]}))
+
+
+def test_load_results_needs_graded_records(responses_file, tmp_path):
+    path, _ = responses_file
+    with pytest.raises(ValueError, match=r"record has no score; grade it first: nemo-disco eval --responses"):
+        load_results(path)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="has no responses.jsonl"):
+        load_results(tmp_path / "empty")
+
+
+def test_plot_pass_at_k(tmp_path):
+    summaries = [summarize(_records(RUNS[k])) for k in ("a", "c")]
+    out = plot_pass_at_k(summaries, ["a", "c"], tmp_path / "p" / "passk.png")
+    assert out.read_bytes().startswith(b"\x89PNG") and out.stat().st_size > 10_000
+    with pytest.raises(ValueError, match="no result has benchmark"):
+        plot_pass_at_k(summaries, ["a", "c"], tmp_path / "x.png", benchmarks=["aime"])
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The CLI on the shipped benchmark files
+
+
+def _shipped_responses(path: Path, correct: dict[str, int]) -> None:
+    """Responses to the first problems of shipped benchmarks: sample 0 right (the gold answer), sample 1 wrong."""
+    lines = []
+    for bench, count in correct.items():
+        for p in load_problems(bench)[0][:count]:
+            gold = p.answer if isinstance(p.answer, str) else p.answer[0]
+            for j, resp in enumerate([f"So the answer is $\\boxed{{{gold}}}$.", "\\boxed{-987654}"]):
+                lines.append(
+                    json.dumps({"benchmark": bench, "problem_index": p.index, "sample_index": j, "response": resp})
+                )
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_cli_eval_runs_compare_and_plot_on_shipped_benchmarks(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv(BENCHMARK_DIR_ENV, raising=False)  # the copies shipped in the package
+    _shipped_responses(tmp_path / "r1.jsonl", {"aime": 4, "math": 4})
+    args = ["eval", "--benchmarks", "aime,math", "--workers", "1", "--bootstrap", "200"]
+    assert cli.main([*args, "--responses", str(tmp_path / "r1.jsonl"), "--out", str(tmp_path / "one")]) == 0
+    summary = json.loads((tmp_path / "one" / "summary.json").read_text())
+    # 4 problems per benchmark, 1 of 2 samples right each: pass@1 = 1/2 and pass@2 = 1 on both.
+    assert [(b["benchmark"], b["problems"], b["pass@1"], b["pass@2"]) for b in summary["benchmarks"]] == [
+        ("aime", 4, 0.5, 1.0),
+        ("math", 4, 0.5, 1.0),
+    ]
+    assert summary["uncertainty"]["replicates"] == 200
+    assert "| aime | 4 | 2 | 50.00 ± 0.00 [" in capsys.readouterr().out
+
+    # A second run that gets the first aime problem wrong on both samples.
+    rows = [json.loads(line) for line in (tmp_path / "r1.jsonl").read_text().splitlines()]
+    rows[0]["response"] = "\\boxed{-1}"
+    (tmp_path / "r2.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert cli.main([*args, "--responses", str(tmp_path / "r2.jsonl"), "--out", str(tmp_path / "two")]) == 0
+    capsys.readouterr()
+
+    # Both as runs of one setting: aime pass@1 0.5 and 3/8 -> mean 7/16.
+    both = [str(tmp_path / "one"), str(tmp_path / "two")]
+    assert cli.main([*args, "--responses", *both, "--out", str(tmp_path / "both")]) == 0
+    assert "Across 2 runs (one, two)" in capsys.readouterr().out
+    across = json.loads((tmp_path / "both" / "runs.json").read_text())
+    aime = next(b for b in across["benchmarks"] if b["benchmark"] == "aime")
+    assert aime["pass@1"]["values"] == [0.5, 0.375] and aime["pass@1"]["mean"] == pytest.approx(7 / 16)
+    assert (tmp_path / "both" / "one" / "summary.md").is_file()
+
+    # Paired comparison: aime differs on one problem (pass@1 1/2 vs 0), math not at all.
+    assert cli.main(["compare", *both, "--out", str(tmp_path / "cmp"), "--bootstrap", "200"]) == 0
+    assert "A = one, B = two" in capsys.readouterr().out
+    parsed = list(csv.DictReader((tmp_path / "cmp" / "comparison.csv").open()))
+    diffs = {r["benchmark"]: (float(r["diff"]), int(r["a_better"]), int(r["b_better"])) for r in parsed}
+    assert diffs == {"aime": (0.125, 1, 0), "math": (0.0, 0, 0), "average": (0.0625, 1, 0)}
+
+    assert cli.main(["plot", "--pass-at-k", *both, "--out", str(tmp_path / "k.png"), "--bootstrap", "100"]) == 0
+    assert (tmp_path / "k.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_eval_from_a_copy_of_the_package_without_shared_data(tmp_path):
+    # The package copied alone (as a clone or an install has it, with nothing beside it) grades against the
+    # benchmark files it ships.
+    clone = tmp_path / "clone"
+    shutil.copytree(ROOT / "nemo_disco", clone / "nemo_disco", ignore=shutil.ignore_patterns("__pycache__"))
+    work = tmp_path / "work"
+    work.mkdir()
+    _shipped_responses(work / "r.jsonl", {"aime": 2, "math": 2})
+    env = {k: v for k, v in os.environ.items() if k != BENCHMARK_DIR_ENV} | {"PYTHONPATH": str(clone)}
+    cmd = [sys.executable, "-m", "nemo_disco.cli", "eval", "--responses", "r.jsonl", "--benchmarks", "aime,math"]
+    proc = subprocess.run([*cmd, "--workers", "1", "--out", "res"], cwd=work, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((work / "res" / "summary.json").read_text())
+    assert [(b["benchmark"], b["pass@1"]) for b in summary["benchmarks"]] == [("aime", 0.5), ("math", 0.5)]
+    where = subprocess.run(
+        [sys.executable, "-c", "import nemo_disco.data as d; print(d.resolve_benchmark('aime'))"],
+        cwd=work, env=env, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert where.stdout.strip() == str(clone / "nemo_disco" / "benchmark_data" / "aime.json")
+
+
+def test_models_that_cannot_be_loaded_give_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert cli.main(["eval", "--model", "/nonexistent/model", "--benchmarks", "aime"]) == 2
+    err = capsys.readouterr().err
+    assert err == "nemo-disco eval: error: model folder not found: /nonexistent/model (and not an owner/name hub id)\n"
+    folder = tmp_path / "half"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"model folder .*half has no tokenizer files \(looked for tokenizer.json"):
+        check_model(folder)
+    (folder / "tokenizer.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"has no weights \(looked for \*.safetensors"):
+        check_model(folder)
+    with pytest.raises(ValueError, match="has no config.json"):
+        check_model(tmp_path)
+    assert cli.main(["eval", "--model", "nemo-disco-test/no-such-model", "--benchmarks", "aime"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith("nemo-disco eval: error: cannot load model 'nemo-disco-test/no-such-model': no folder ")
+    assert "tried the Hugging Face hub through the local Hugging Face cache only (HF_HUB_OFFLINE is set)" in err

@@ -1,8 +1,18 @@
 import math
 
+import numpy as np
 import pytest
 
-from nemo_disco.stats import mean_se, paired_difference
+from nemo_disco.stats import (
+    bootstrap_pass_at_k,
+    combined_se,
+    mean_sd,
+    mean_se,
+    paired_bootstrap_pass_at_k,
+    paired_difference,
+    pass_at_k,
+    percentile_interval,
+)
 
 
 def test_mean_se_hand_computed():
@@ -28,3 +38,132 @@ def test_paired_difference_removes_shared_problem_variance():
     assert se < mean_se(after)[1]  # pairing removes the between-problem spread
     with pytest.raises(ValueError, match="same problems"):
         paired_difference([1.0], [1.0, 0.0])
+
+
+def test_mean_sd_and_combined_se_hand_computed():
+    # three seeds 0.30, 0.34, 0.35: mean 0.33; deviations -0.03, 0.01, 0.02 -> variance (9 + 1 + 4)e-4 / 2 = 7e-4
+    mean, sd = mean_sd([0.30, 0.34, 0.35])
+    assert mean == pytest.approx(0.33)
+    assert sd == pytest.approx(math.sqrt(7e-4))
+    assert mean_sd([0.4]) == (0.4, 0.0)
+    # unweighted mean of two independent estimates with se 0.03 and 0.04: sqrt(0.0009 + 0.0016) / 2 = 0.025
+    assert combined_se([0.03, 0.04]) == pytest.approx(0.025)
+
+
+def test_pass_at_k_edge_cases():
+    assert pass_at_k(16, 3, 1) == pytest.approx(3 / 16)
+    assert pass_at_k(4, 1, 4) == 1.0 and pass_at_k(4, 0, 4) == 0.0
+    # n=4, c=2, k=2: 1 - C(2, 2) / C(4, 2) = 1 - 1/6
+    assert pass_at_k(4, 2, 2) == pytest.approx(5 / 6)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Bootstrap: hand-computed distributions
+
+
+def test_percentile_interval_hand_computed():
+    # 101 replicates 0..100: the 2.5% and 97.5% quantiles (linear interpolation) are 2.5 and 97.5.
+    low, high = percentile_interval(np.arange(101.0))
+    assert (low, high) == (pytest.approx(2.5), pytest.approx(97.5))
+    two = percentile_interval(np.stack([np.arange(101.0), 10 * np.arange(101.0)]), confidence=0.5)
+    np.testing.assert_allclose(two, [[25.0, 75.0], [250.0, 750.0]])
+    with pytest.raises(ValueError, match="confidence"):
+        percentile_interval(np.arange(3.0), confidence=1.0)
+
+
+def test_bootstrap_resamples_the_samples_of_a_problem():
+    # One problem, 2 samples, 1 correct. Resampling the problems changes nothing; redrawing its 2 samples
+    # makes c* ~ Binomial(2, 1/2): c* = 0, 1, 2 with probabilities 1/4, 1/2, 1/4, so the replicate pass@1 is
+    # 0, 1/2, 1 with those probabilities. pass@2 (k = n) uses the problem's own samples: always 1.
+    reps = bootstrap_pass_at_k([2], [1], [1, 2], replicates=20_000, seed=0)
+    values, counts = np.unique(reps[0], return_counts=True)
+    assert values.tolist() == [0.0, 0.5, 1.0]
+    np.testing.assert_allclose(counts / 20_000, [0.25, 0.5, 0.25], atol=0.015)  # 4 sd of a share of 20k draws
+    assert np.all(reps[1] == 1.0)
+    fixed = bootstrap_pass_at_k([2], [1], [1], replicates=100, seed=0, resample_samples=False)
+    assert np.all(fixed == 0.5)
+
+
+def test_bootstrap_resamples_problems():
+    # Two problems of one sample each, one right (c=1) and one wrong (c=0): no sample-level noise. Drawing two
+    # problems with replacement gives pass@1 0 (both the wrong one), 1/2, or 1 with probabilities 1/4, 1/2, 1/4.
+    reps = bootstrap_pass_at_k([1, 1], [1, 0], [1], replicates=20_000, seed=1)
+    values, counts = np.unique(reps[0], return_counts=True)
+    assert values.tolist() == [0.0, 0.5, 1.0]
+    np.testing.assert_allclose(counts / 20_000, [0.25, 0.5, 0.25], atol=0.015)
+
+
+def test_bootstrap_is_reproducible_and_checks_its_input():
+    n, c = [8] * 5, [0, 2, 4, 8, 3]
+    a = bootstrap_pass_at_k(n, c, [1, 4], replicates=300, seed=3)
+    assert a.shape == (2, 300)
+    np.testing.assert_array_equal(a, bootstrap_pass_at_k(n, c, [1, 4], replicates=300, seed=3))
+    assert not np.array_equal(a, bootstrap_pass_at_k(n, c, [1, 4], replicates=300, seed=4))
+    with pytest.raises(ValueError, match="k must lie in"):
+        bootstrap_pass_at_k(n, c, [16])
+    with pytest.raises(ValueError, match="0 <= correct <= samples"):
+        bootstrap_pass_at_k([2], [3], [1])
+
+
+def test_paired_bootstrap_hand_computed():
+    # A solves every sample of every problem, B none: every replicate difference is exactly 1 (pass@1, pass@4).
+    reps = paired_bootstrap_pass_at_k([4] * 3, [4] * 3, [4] * 3, [0] * 3, [1, 4], replicates=200, seed=0)
+    assert np.all(reps == 1.0)
+    # The pairing: A and B equal on each problem but problems differ (c = 0 or 4 of 4). Problem draws are
+    # shared and no sample noise exists (c/n is 0 or 1), so every difference is exactly 0; unpaired draws of
+    # the same data would spread between -1 and 1.
+    c = [0, 4, 4, 0, 4]
+    reps = paired_bootstrap_pass_at_k([4] * 5, c, [4] * 5, c, [1, 2], replicates=500, seed=0)
+    assert np.all(reps == 0.0)
+    with pytest.raises(ValueError, match="same problems"):
+        paired_bootstrap_pass_at_k([4, 4], [1, 1], [4], [1], [1])
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Coverage in simulation: the intervals cover a known value at the stated rate
+
+# Problems are drawn from a population whose per-sample success probability p is 0, 0.2, 0.5 or 0.9 with
+# equal weight, so the population's pass@k is the mean of 1 - (1 - p)^k:
+#   pass@1 = (0 + 0.2 + 0.5 + 0.9) / 4 = 0.4
+#   pass@4 = (0 + (1 - 0.8^4) + (1 - 0.5^4) + (1 - 0.1^4)) / 4 = (0 + 0.5904 + 0.9375 + 0.9999) / 4 = 0.63195
+POPULATION = np.array([0.0, 0.2, 0.5, 0.9])
+TRUE = {1: 0.4, 4: 0.63195}
+BENCHMARKS = 300  # simulated benchmarks; a 95% coverage share has sd sqrt(0.95 * 0.05 / 300) = 0.0126
+PROBLEMS, SAMPLES, REPLICATES = 40, 8, 400
+
+
+def test_bootstrap_interval_covers_the_true_pass_at_k_at_the_stated_rate():
+    rng = np.random.default_rng(20260101)
+    covered = {1: 0, 4: 0}
+    covered_se = {1: 0, 4: 0}
+    for _ in range(BENCHMARKS):
+        c = rng.binomial(SAMPLES, rng.choice(POPULATION, PROBLEMS))
+        reps = bootstrap_pass_at_k([SAMPLES] * PROBLEMS, c, [1, 4], replicates=REPLICATES, seed=rng)
+        for k, (low, high) in zip((1, 4), percentile_interval(reps), strict=True):
+            covered[k] += low <= TRUE[k] <= high
+            mean, se = mean_se([pass_at_k(SAMPLES, x, k) for x in c])
+            covered_se[k] += abs(mean - TRUE[k]) <= 1.96 * se
+    for k in (1, 4):
+        # 95% nominal; the band is about +-3 sd of the coverage estimate.
+        assert 0.91 <= covered[k] / BENCHMARKS <= 0.99, (k, covered[k] / BENCHMARKS)
+        assert 0.91 <= covered_se[k] / BENCHMARKS <= 0.99, (k, covered_se[k] / BENCHMARKS)
+
+
+def test_paired_bootstrap_interval_covers_the_true_difference():
+    # B succeeds 0.1 more often than A on every problem (p + 0.1; 0.9 -> 1.0): the true difference A - B of
+    # pass@1 is exactly -0.1. Redrawing samples makes the paired pass@1 interval conservative (the problem draw
+    # already carries the sample noise, which dominates a paired difference); problems only is close to 95%.
+    rng = np.random.default_rng(7)
+    covered = {True: 0, False: 0}
+    for _ in range(BENCHMARKS):
+        p = rng.choice(POPULATION, PROBLEMS)
+        ca, cb = rng.binomial(SAMPLES, p), rng.binomial(SAMPLES, np.minimum(p + 0.1, 1.0))
+        for samples in (True, False):
+            reps = paired_bootstrap_pass_at_k(
+                [SAMPLES] * PROBLEMS, ca, [SAMPLES] * PROBLEMS, cb, [1], replicates=REPLICATES, seed=rng,
+                resample_samples=samples,
+            )  # fmt: skip
+            low, high = percentile_interval(reps)[0]
+            covered[samples] += low <= -0.1 <= high
+    assert 0.95 <= covered[True] / BENCHMARKS <= 1.0, covered
+    assert 0.90 <= covered[False] / BENCHMARKS <= 0.98, covered
