@@ -140,7 +140,7 @@ class RewardConfig(_Section):
 class LossConfig(_Section):
     """The objective (losses.LOSSES) and its hyper-parameters."""
 
-    name: Literal["disco", "discob", "grpo", "grpo_rw", "dr_grpo", "dapo", "grpo_er"] = "disco"
+    name: Literal["disco", "discob", "grpo", "grpo_rw", "dr_grpo", "dapo", "grpo_er", "gpg", "trpa"] = "disco"
     score: Literal["logl", "lratio"] = "logl"
     tau: float = Field(10.0, gt=0)
     delta: float = Field(1e-4, ge=0)
@@ -157,6 +157,17 @@ class LossConfig(_Section):
     clip_eps_high: float | None = Field(None, gt=0)
     kl_coef: float = Field(0.0, ge=0)
     entropy_coef: float = Field(0.0, ge=0)
+    # GPG (arXiv 2504.02546): F_norm = the group's reward std instead of 1 (eq. 6; tab. 1 ablation), the
+    # correction alpha = B / (B - M) (eq. 7-8), and eq. 5's token normaliser: each question's tokens ("question")
+    # or all tokens of the mini-batch ("batch", the authors' trainer).
+    adv_std_norm: bool = False
+    alpha_correction: bool = True
+    token_norm: Literal["question", "batch"] = "question"
+    # TRPA (arXiv 2504.04524; values of the authors' main_TRPA.sh): preference-term beta, KTPO anisotropy for
+    # pairs won by a correct rollout, trust-region KL(pi_old, pi_theta) coefficient.
+    trpa_beta: float = Field(0.1, gt=0)
+    trpa_anisotropy: float = Field(2.5, gt=0)
+    tr_kl_coef: float = Field(0.001, ge=0)
     # Rollout / training log-prob mismatch correction.
     rollout_correction: Literal["none", "seq_tis"] = "none"
     rollout_correction_cap: float = Field(2.0, gt=0)

@@ -38,14 +38,21 @@ dr_grpo    mean over N of token SUM / max_response_tokens same as grpo with the 
 dapo       sum over all tokens / T_tot                    none
 grpo_er    as grpo                                        as grpo, minus entropy_coef x entropy
                                                           token mean over T_tot
+gpg        alpha x sum_q (sum_{i in q} A_i logp_sum_i     none; alpha = N / (N - M), M =
+           / T_q) / Q, T_q = question q's tokens          rollouts of questions whose rewards
+           (eq. 5, ``token_norm="question"``); or         are all equal (eq. 7-8)
+           alpha sum_i A_i logp_sum_i / T_tot (batch)
+trpa       sum over (winner, loser) pairs of log          tr_kl_coef x token mean over T_tot
+           sigmoid(.) / P, P = pairs of the mini-batch    of k3(log pi_old - log pi_theta)
 =========  ============================================  ====================================
 
 Rollout correction (``weights`` [N], e.g. from :func:`rollout_weights`): in the DisCO family and GRPO_RW
 every mean over a question's positives or negatives is a self-normalised weighted mean
 (:func:`weighted_group_mean`, :func:`weighted_group_logmeanexp`; the DRO term becomes
-``tau log(sum_j w_j exp(s_j / tau) / sum_j w_j)``); in GRPO, Dr. GRPO and DAPO each rollout's loss (each
-token's, for DAPO) is multiplied by w_i, its KL regulariser included. Denominators N, Q and T_tot stay
-unweighted, and so do DisCO's KL constraint and GRPO-ER's entropy bonus. ``weights=None`` means all 1.
+``tau log(sum_j w_j exp(s_j / tau) / sum_j w_j)``); in GRPO, Dr. GRPO, DAPO and GPG each rollout's loss (each
+token's, for DAPO) is multiplied by w_i, its KL regulariser included; in TRPA each pair's term by w_w w_l.
+Denominators N, Q, T_q, T_tot and P stay unweighted, and so do DisCO's KL constraint, GRPO-ER's entropy bonus,
+GPG's alpha and TRPA's trust-region term. ``weights=None`` means all 1.
 
 Departures from the paper: questions with no positive or no negative add 0 (Algorithm 1 is undefined
 for them) and, by default, still count in Q (as the authors' code does); the L-ratio exponent is
@@ -91,6 +98,12 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "kl_coef": (lambda v: isinstance(v, int | float) and v >= 0, ">= 0"),
     "entropy_coef": (lambda v: isinstance(v, int | float) and v >= 0, ">= 0"),
     "max_response_tokens": (lambda v: isinstance(v, int) and v >= 1, "an int >= 1"),
+    "adv_std_norm": (lambda v: isinstance(v, bool), "a bool"),
+    "alpha_correction": (lambda v: isinstance(v, bool), "a bool"),
+    "token_norm": (lambda v: v in ("question", "batch"), "'question' or 'batch'"),
+    "trpa_beta": (lambda v: isinstance(v, int | float) and v > 0, "> 0"),
+    "trpa_anisotropy": (lambda v: isinstance(v, int | float) and v > 0, "> 0"),
+    "tr_kl_coef": (lambda v: isinstance(v, int | float) and v >= 0, ">= 0"),
 }
 
 
@@ -182,6 +195,29 @@ class GrpoErParams(ClipParams):
     entropy_coef: float = 1e-3
 
 
+@dataclass(frozen=True)
+class GpgParams(_Hyper):
+    """GPG (arXiv 2504.02546): F_norm (eq. 6), the correction alpha = B / (B - M) (eq. 7-8), eq. 5's normaliser."""
+
+    adv_std_norm: bool = False
+    alpha_correction: bool = True
+    token_norm: str = "question"
+
+
+@dataclass(frozen=True)
+class TrpaParams(_Hyper):
+    """TRPA (arXiv 2504.04524): preference-term beta, KTPO anisotropy, trust-region KL coefficient (authors' script)."""
+
+    trpa_beta: float = 0.1
+    trpa_anisotropy: float = 2.5
+    tr_kl_coef: float = 1e-3
+
+    @property
+    def needs_reference(self) -> bool:
+        """The preference term is a log-ratio to the reference policy: always."""
+        return True
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # The Loss object, registry and the trainer-facing helpers.
 
@@ -254,8 +290,9 @@ class Loss:
         if self.needs_entropy and entropy is None:
             raise ValueError(f"loss {self.name!r} needs entropy=[N, T] (per-token entropy of the policy)")
         if p.needs_reference and ref_logprobs is None:
+            why = f"with kl_coef={p.kl_coef} > 0" if isinstance(p, ClipParams) else "(a log-ratio to the reference)"
             raise ValueError(
-                f"loss {self.name!r} with kl_coef={getattr(p, 'kl_coef', None)} > 0 needs ref_logprobs=[N, T]; "
+                f"loss {self.name!r} {why} needs ref_logprobs=[N, T]; "
                 "build it with losses.get_loss(name, **hp) so that needs_reference is set"
             )
         return self.stats_fn(logprobs, old_logprobs, mask, entropy, ref_logprobs, p)
@@ -333,8 +370,18 @@ _CONFIG_PATHS: dict[str, tuple[str, str]] = {
     "positive_threshold": ("reward", "positive_threshold"),
     "max_response_tokens": ("generation", "max_response_tokens"),
 }
-# Config values that switch a term on; setting one for a loss without that term would be silently ignored.
-_SWITCHES = ("kl_coef", "entropy_coef")
+# Config values of one loss (family) only: set away from their schema default for a loss that lacks them, they would
+# be silently ignored, so loss_kwargs refuses them.
+_SWITCHES = (
+    "kl_coef",
+    "entropy_coef",
+    "adv_std_norm",
+    "alpha_correction",
+    "token_norm",
+    "trpa_beta",
+    "trpa_anisotropy",
+    "tr_kl_coef",
+)
 
 
 def loss_kwargs(cfg: Any) -> dict[str, Any]:
@@ -345,8 +392,8 @@ def loss_kwargs(cfg: Any) -> dict[str, Any]:
     loss's default.
 
     Raises:
-        ConfigError: ``loss.kl_coef`` / ``loss.entropy_coef`` set for a loss that has no such term, or an
-            invalid value.
+        ConfigError: a value of one loss only (``loss.kl_coef``, ``loss.entropy_coef``, GPG's and TRPA's keys) set
+            away from its default for a loss that has no such term, or an invalid value.
     """
     loss = get_loss(cfg.loss.name)
     names = [f.name for f in fields(loss.hparams)]
@@ -358,7 +405,8 @@ def loss_kwargs(cfg: Any) -> dict[str, Any]:
         elif key in type(cfg.loss).model_fields:
             hp[key] = getattr(cfg.loss, key)
     for key in _SWITCHES:
-        if key not in names and getattr(cfg.loss, key) != 0:
+        default = type(cfg.loss).model_fields[key].default
+        if key not in names and getattr(cfg.loss, key) != default:
             raise ConfigError(f"loss.{key}={getattr(cfg.loss, key)} has no effect with loss.name={loss.name}")
     try:
         loss.params(**hp)
@@ -1002,6 +1050,199 @@ def _clip_stats_with_entropy(
     return clip_stats(logprobs, old_logprobs, mask, entropy, ref_logprobs, p, with_entropy=True)
 
 
+# ----------------------------------------------------------------------------------------------------------------------
+# GPG: plain policy gradient on the summed token log-likelihood.
+
+GPG_STATS = ("logp_sum", "tokens", "kl_sum", "clamped")
+
+
+def gpg_stats(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    mask: Tensor,
+    entropy: Tensor | None,
+    ref_logprobs: Tensor | None,
+    p: GpgParams,
+) -> Tensor:
+    """GPG statistics [N, 4]: ``logp_sum``, ``tokens``, ``kl_sum``, ``clamped``.
+
+    ``logp_sum`` = sum_t log pi_theta over the rollout's tokens (the only column with gradient), ``tokens`` n_i,
+    ``kl_sum`` the monitored KL(pi_old || pi_theta) estimator (``kl``), ``clamped`` its exponent clamps (k3).
+    """
+    m = mask.bool()
+    n = m.sum(1, dtype=logprobs.dtype)  # [N]
+    raw = _log_ratio(logprobs, old_logprobs, m)  # [N, T]
+    d, clamped = (None, torch.zeros_like(n))
+    if p.kl == "k3":
+        d, clamped = _clamp_counted(raw, p.max_log_ratio)  # [N, T], [N]
+    logp_sum = _masked_sum(logprobs, m)  # [N]
+    return torch.stack([logp_sum, n, _kl_sum(raw, d, p.kl), clamped], dim=1)  # [N, 4]
+
+
+def gpg_objective(
+    stats: Tensor, group_ids: Tensor, rewards: Tensor, weights: Tensor | None, p: GpgParams
+) -> tuple[Tensor, dict[str, Tensor | float]]:
+    """GPG (Chu et al., arXiv 2504.02546 v4): the policy gradient with the group-mean baseline, alpha-corrected.
+
+    The correction is for questions whose rollouts all get the same reward. No ratio, no clipping, no KL, no
+    reference model.
+
+    * Advantage (eq. 6): ``A_i = (r_i - mean_q r) / F_norm`` with ``F_norm = 1`` (the paper's final recipe, tab. 1)
+      or, with ``adv_std_norm=True``, the question's population reward std + 1e-6 (tab. 1's ``F_norm = std``
+      ablation; GRPO's normaliser).
+    * Objective (eq. 5, maximised): ``J = E_q[sum_{i in q} A_i sum_t log pi_theta(o_i,t) / sum_{i in q} |o_i|]``.
+      **Denominator** (``token_norm="question"``, eq. 5 as written): each question's own token count T_q, then
+      the mean over the Q questions of the mini-batch; ``token_norm="batch"``: all valid tokens of the mini-batch
+      T_tot (what the authors' trainer and verl's ``loss_mode: gpg`` with ``token-mean`` compute).
+    * Correction (eq. 7-8, "accurate gradient estimation"): ``J <- alpha J`` with ``alpha = B / (B - M)``, B the
+      rollouts of the mini-batch and M those in questions whose rewards are all equal (their A is 0, so the plain
+      mean dilutes the gradient by (B - M) / B); alpha = 1 when every question has equal rewards (J is 0 then) or
+      with ``alpha_correction=False`` (tab. 1's ``alpha = 1`` rows). Logged as ``alpha``.
+    * Rollout weights w_i multiply each rollout's term; T_q, T_tot, Q, B and M stay unweighted.
+
+    Where the authors' code differs (GitHub AMAP-ML/GPG, ``open-r1/src/open_r1/gpg_trainer.py``), the paper is
+    followed: the code divides by the tokens of the (micro-)batch, not the question (``token_norm="batch"``); it
+    counts B and M in questions over one generation batch (the same ratio for equal group sizes) where they are
+    counted in rollouts over the mini-batch here. verl's ``compute_gpg_outcome_advantage`` uses
+    ``alpha = B / (number of rollouts with a non-zero reward)``, which is not eq. 7 (for {0, 1} rewards it is
+    B / #correct); not reproduced. The GPG repository's 1.5B recipe (``open-rs``) inherits TRL's defaults: std
+    normalisation (+1e-4, sample std) and no alpha.
+
+    Not part of this loss: the valid-share threshold beta_th of Alg. 1 (0.6 in tab. 1), which keeps sampling
+    until (B - M) / B >= beta_th. It is a sampler rule; ``algorithm.dynamic_sampling`` (DAPO's refill to M = 0,
+    so alpha = 1) is a different one. Alg. 1 takes one update per batch: with several mini-batches per step the
+    later updates use rollouts of pi_old != pi_theta without a ratio, as the paper's objective has none.
+    """
+    logp_sum, n = stats[:, 0], stats[:, 1]  # [N], [N]
+    inv, Q = group_index(group_ids)
+    pos = rewards > p.positive_threshold  # [N]
+    adv = _advantage(rewards, inv, Q, normalise=p.adv_std_norm)  # [N]
+    w = _ones(n, weights)
+    term = w * adv * logp_sum  # [N]
+    if p.token_norm == "question":
+        t_q = n.new_zeros(Q).index_add(0, inv, n)  # [Q]
+        per_q = n.new_zeros(Q).index_add(0, inv, term) / t_q.clamp(min=1)  # [Q]
+        J = per_q.sum() / Q
+    else:
+        J = term.sum() / n.sum().clamp(min=1)
+    with torch.no_grad():
+        r_max = rewards.new_full((Q,), -math.inf).scatter_reduce(0, inv, rewards, "amax")  # [Q]
+        r_min = rewards.new_full((Q,), math.inf).scatter_reduce(0, inv, rewards, "amin")  # [Q]
+        zero_var = (r_max == r_min)[inv]  # [N]
+        B, M = stats.shape[0], int(zero_var.sum())
+        alpha = B / (B - M) if M < B else 1.0
+    if p.alpha_correction:
+        J = alpha * J
+    mean_logp = (logp_sum / n.clamp(min=1)).detach()
+    metrics = _group_metrics(inv, Q, rewards, pos, mean_logp, mean_logp)
+    metrics.update(
+        objective=J.detach(),
+        kl=(stats[:, 2].sum() / n.sum().clamp(min=1)).detach(),
+        constraint_active=0.0,
+        penalty=0.0,
+        lratio_clamped=stats[:, 3].detach().sum(),
+        alpha=alpha if p.alpha_correction else 1.0,
+        valid_share=(B - M) / B,
+    )
+    return -J, metrics
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# TRPA: pairwise preference term on log-ratios to the reference, trust-region KL to pi_old.
+
+TRPA_STATS = ("ref_log_ratio", "tr_kl_sum", "tokens", "kl_sum", "clamped")
+
+
+def trpa_stats(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    mask: Tensor,
+    entropy: Tensor | None,
+    ref_logprobs: Tensor | None,
+    p: TrpaParams,
+) -> Tensor:
+    """TRPA statistics [N, 5].
+
+    * ``ref_log_ratio`` h_i = mean over the rollout's tokens of log pi_theta - log pi_ref (0 without tokens);
+    * ``tr_kl_sum``: sum_t of the trust-region term k3 = exp(x) - x - 1 with x = log pi_old - log pi_theta
+      (exponent clamped at +-``max_log_ratio``);
+    * ``tokens`` n_i; ``kl_sum``: the monitored KL(pi_old || pi_theta) estimator (``kl``); ``clamped``: clamps.
+    """
+    if ref_logprobs is None:
+        raise ValueError("trpa needs ref_logprobs=[N, T]")
+    m = mask.bool()
+    n = m.sum(1, dtype=logprobs.dtype)  # [N]
+    h = _log_ratio(logprobs, ref_logprobs, m).sum(1) / n.clamp(min=1)  # [N]
+    raw = _log_ratio(logprobs, old_logprobs, m)  # [N, T]  log(theta / old)
+    d, clamped = _clamp_counted(raw, p.max_log_ratio)  # [N, T], [N]
+    tr_kl = (torch.expm1(-d) + d).sum(1)  # [N]  k3 with x = -d = log(old / theta); 0 on padding
+    return torch.stack([h, tr_kl, n, _kl_sum(raw, d, p.kl), clamped], dim=1)  # [N, 5]
+
+
+def trpa_objective(
+    stats: Tensor, group_ids: Tensor, rewards: Tensor, weights: Tensor | None, p: TrpaParams
+) -> tuple[Tensor, dict[str, Tensor | float]]:
+    """TRPA (Su et al., arXiv 2504.04524): pairwise preferences on log-ratios to pi_ref, a trust region to pi_old.
+
+    Rule-based preference levels rank a question's rollouts; every better / worse pair is a preference.
+
+    The paper's own text could not be read while writing this: the form below is the authors' code (GitHub
+    XueruiSu/Trust-Region-Preference-Approximation: ``verl/trainer/ppo/core_algos.py``
+    ``compute_pairwise_policy_loss``, ``verl/workers/actor/dp_actor.py``, ``main_TRPA.sh``) checked against
+    published summaries of the paper (``-E_{(x, y1, y2) ~ D_old} log sigmoid(beta(y1) log pi_theta(y1|x) /
+    pi_ref(y1|x) - ...)`` plus a KL trust region to pi_theta_old); no equation numbers are cited for that reason.
+
+    * **Preference levels** (paper: 1 correct answer, 2 wrong answer, 3 empty answer, 4 format error; the code's
+      math rules in ``math_reward_pl.py``). Here a rollout's level is the rank of its reward within its
+      question: with {0, 1} (or {-1, +1}) rewards two levels, correct > incorrect. Levels 3-4 need the grader to
+      report format checks, which do not reach the loss; rewards that encode them (e.g. 1 / 0 / -0.5 / -1) work
+      unchanged.
+    * **Pairs**: every (winner w, loser l) of the same question with ``r_w > r_l``. With
+      ``h_i`` = token mean of log pi_theta - log pi_ref and ``beta_w = trpa_beta * trpa_anisotropy`` when the
+      winner is level 1 (``r_w > positive_threshold``; KTPO), ``trpa_beta`` otherwise:
+      ``J = sum_pairs w_w w_l log sigmoid(beta_w (h_w - h_l)) / P``. **Denominator**: P, the number of pairs of
+      the whole mini-batch (questions pooled, unweighted); no pair -> J = 0 (logged ``pairs``).
+    * **Trust region**: ``tr_kl_coef * K_tr`` with K_tr the token mean over all valid tokens of the mini-batch of
+      ``exp(x) - x - 1``, ``x = log pi_old - log pi_theta`` (the code's ``low_var_kl`` against the old
+      log-probs; unweighted). Loss = ``-J + tr_kl_coef * K_tr``.
+
+    Departures from the authors' code: the pairs and both means are those of the mini-batch (the code pairs and
+    averages within each micro-batch, so pairs split across micro-batches are dropped); a mini-batch without
+    pairs adds 0 (the code falls back to ``-mean log sigmoid(+-h_i)``, + for level 1); the k3 exponent is clamped
+    at ``max_log_ratio`` (the code clamps the k3 value at 10); the code's ``use_sqrt_trkl`` variant (off in its
+    script) is not offered. The code also computes a KL to the reference (``kl_loss_coef`` 0.001) but, with the
+    TRPA loss on, only logs it: it is not part of this loss either. Whether the paper's h is the token mean (the
+    code) or the sequence log-ratio (the summaries' notation) is not settled here.
+    """
+    h, tr_kl, n = stats[:, 0], stats[:, 1], stats[:, 2]  # [N]
+    inv, Q = group_index(group_ids)
+    pos = rewards > p.positive_threshold  # [N]
+    better = (inv[:, None] == inv[None, :]) & (rewards[:, None] > rewards[None, :])  # [N, N]: row beats column
+    beta_w = torch.where(pos, h.new_tensor(p.trpa_beta * p.trpa_anisotropy), h.new_tensor(p.trpa_beta))  # [N]
+    z = beta_w[:, None] * (h[:, None] - h[None, :])  # [N, N]
+    w = _ones(n, weights)
+    pair_w = w[:, None] * w[None, :]  # [N, N]
+    P = better.sum()
+    J = torch.where(better, pair_w * torch.nn.functional.logsigmoid(z), 0.0).sum() / P.clamp(min=1)
+    tokens = n.sum().clamp(min=1)
+    K_tr = tr_kl.sum() / tokens
+    penalty = p.tr_kl_coef * K_tr
+    metrics = _group_metrics(inv, Q, rewards, pos, h.detach(), h.detach())
+    with torch.no_grad():
+        ordered = torch.where(better, (z > 0).to(h.dtype), 0.0).sum()
+    metrics.update(
+        objective=J.detach(),
+        kl=(stats[:, 3].sum() / tokens).detach(),
+        tr_kl=K_tr.detach(),
+        constraint_active=0.0,
+        penalty=penalty.detach(),
+        lratio_clamped=stats[:, 4].detach().sum(),
+        pairs=P.to(h.dtype),
+        pair_accuracy=ordered / P.clamp(min=1),
+    )
+    return -J + penalty, metrics
+
+
 def _registered(
     name: str,
     hparams: type[_Hyper],
@@ -1011,8 +1252,9 @@ def _registered(
     *,
     needs_entropy: bool = False,
 ) -> Loss:
-    # needs_reference is False at the registry defaults (kl_coef = 0); get_loss(name, **hp) resolves it.
-    return Loss(name, stat_names, needs_entropy, False, hparams, stats_fn, objective_fn)
+    # needs_reference as the registry defaults want it (the GRPO family's kl_coef = 0: no; TRPA: always);
+    # get_loss(name, **hp) resolves it for other hyper-parameters.
+    return Loss(name, stat_names, needs_entropy, hparams().needs_reference, hparams, stats_fn, objective_fn)
 
 
 LOSSES: dict[str, Loss] = {
@@ -1030,4 +1272,6 @@ LOSSES: dict[str, Loss] = {
         grpo_er_objective,
         needs_entropy=True,
     ),
+    "gpg": _registered("gpg", GpgParams, GPG_STATS, gpg_stats, gpg_objective),
+    "trpa": _registered("trpa", TrpaParams, TRPA_STATS, trpa_stats, trpa_objective),
 }

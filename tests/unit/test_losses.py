@@ -38,6 +38,12 @@ NAIVE_DEFAULTS = {
     "kl_coef": 0.0,
     "entropy_coef": 1e-3,
     "max_response_tokens": 8192,
+    "adv_std_norm": False,
+    "alpha_correction": True,
+    "token_norm": "question",
+    "trpa_beta": 0.1,
+    "trpa_anisotropy": 2.5,
+    "tr_kl_coef": 1e-3,
 }
 
 
@@ -110,6 +116,50 @@ def naive(name, lp, old, mask, gids, rewards, *, entropy=None, ref=None, weights
         else:
             penalty = h["beta"] * torch.clamp(K - h["delta"], min=0) ** 2
         return -J + penalty, J, K
+
+    if name == "gpg":
+        # eq. 6: A_i = (r_i - mean_q r) / F_norm; eq. 5: sum_i A_i sum_t log pi / (the question's tokens), mean over
+        # questions (or / all tokens); eq. 7-8: times B / (B - M), M = rollouts of questions with equal rewards.
+        adv, zero_var = {}, 0
+        for q in questions:
+            r = [float(rewards[i]) for i in members[q]]
+            mean = sum(r) / len(r)
+            std = math.sqrt(sum((x - mean) ** 2 for x in r) / len(r))
+            zero_var += len(r) if max(r) == min(r) else 0
+            for i in members[q]:
+                adv[i] = (float(rewards[i]) - mean) / ((std + 1e-6) if h["adv_std_norm"] else 1.0)
+        logp_sum = [sum((lp[i, t] for t in toks[i]), lp.new_zeros(())) for i in range(N)]
+        if h["token_norm"] == "question":
+            J = lp.new_zeros(())
+            for q in questions:
+                t_q = max(sum(len(toks[i]) for i in members[q]), 1)
+                J = J + sum(w[i] * adv[i] * logp_sum[i] for i in members[q]) / t_q
+            J = J / len(questions)
+        else:
+            J = sum(w[i] * adv[i] * logp_sum[i] for i in range(N)) / total_tokens
+        if h["alpha_correction"] and zero_var < N:
+            J = J * N / (N - zero_var)
+        return -J, J, K
+
+    if name == "trpa":
+        # Pairs (winner, loser) of one question with a higher / lower reward; h = token mean of log pi - log pi_ref;
+        # beta x anisotropy when the winner is correct. Trust region: token mean of e^x - x - 1, x = old - new.
+        hv = [sum(lp[i, t] - ref[i, t] for t in toks[i]) / max(len(toks[i]), 1) for i in range(N)]
+        total, pairs = lp.new_zeros(()), 0
+        for q in questions:
+            for i in members[q]:
+                for j in members[q]:
+                    if float(rewards[i]) > float(rewards[j]):
+                        b = h["trpa_beta"] * (h["trpa_anisotropy"] if positive[i] else 1.0)
+                        total = total + w[i] * w[j] * -torch.log1p(torch.exp(-b * (hv[i] - hv[j])))
+                        pairs += 1
+        J = total / max(pairs, 1)
+        tr = lp.new_zeros(())
+        for i in range(N):
+            for t in toks[i]:
+                x = _clamp(old[i, t] - lp[i, t], M)
+                tr = tr + torch.exp(x) - x - 1
+        return -J + h["tr_kl_coef"] * tr / total_tokens, J, K
 
     lo = 1 - h["clip_eps"]
     hi = 1 + (h["clip_eps"] if h["clip_eps_high"] is None else h["clip_eps_high"])
@@ -275,6 +325,11 @@ VARIANTS = [
     ("dr_grpo", {"max_response_tokens": 12, "kl_coef": 0.05}),
     ("dapo", {}),
     ("grpo_er", {"entropy_coef": 0.01, "kl_coef": 0.05}),
+    ("gpg", {}),
+    ("gpg", {"token_norm": "batch", "kl": "k3"}),
+    ("gpg", {"adv_std_norm": True, "alpha_correction": False}),
+    ("trpa", {}),
+    ("trpa", {"trpa_anisotropy": 1.0, "tr_kl_coef": 0.05, "kl": "k3"}),
 ]
 VARIANT_IDS = [f"{n}-{'-'.join(f'{k}={v}' for k, v in hp.items()) or 'default'}" for n, hp in VARIANTS]
 
@@ -526,6 +581,112 @@ def test_grpo_equals_question_weighted_grpo_rw() -> None:
     assert -grpo_loss.item() == pytest.approx(weighted, abs=1e-12)
 
 
+# GPG on case A (old = new). Question 7: a (r 1, log-probs [-1, -1]), b (r 0, [-2]), c (r 0, [-3, -5]); mean 1/3
+# -> A_a = 2/3, A_b = A_c = -1/3; summed log-probs -2, -2, -8; T_7 = 5 tokens.
+#   sum_i A_i logp_sum_i = (2/3)(-2) + (-1/3)(-2) + (-1/3)(-8) = (-4 + 2 + 8) / 3 = 2.
+# Question 3: d, e both correct -> A = 0 (and they are the M = 2 rollouts of equal-reward questions).
+# B = 5 rollouts -> alpha = 5 / (5 - 2) = 5/3; Q = 2; all 8 tokens T_tot = 8.
+
+
+def test_gpg_hand_values() -> None:
+    lp, old, mask = _case_a(same_old=True)
+    fn = losses.get_loss("gpg")
+    loss, m = fn(lp, old, mask, CASE_A_GIDS, CASE_A_REWARDS)
+    # eq. 5 per question: (2 / 5 + 0) / Q = 0.2; eq. 8: J = alpha 0.2 = (5/3)(0.2) = 1/3.
+    assert loss.item() == pytest.approx(-1 / 3, abs=1e-12)
+    assert m["objective"] == pytest.approx(1 / 3, abs=1e-12)
+    assert m["alpha"] == pytest.approx(5 / 3, abs=1e-15) and m["valid_share"] == pytest.approx(3 / 5, abs=1e-15)
+    assert m["penalty"] == 0.0 and m["kl"] == 0.0
+    # dloss/dlp_{i,t} = -(alpha / Q) A_i / T_7: a -(5/3)(1/2)(2/3)/5 = -1/9; b, c -(5/3)(1/2)(-1/3)/5 = +1/18.
+    expected = torch.tensor([[0, 0], [-1 / 9, -1 / 9], [1 / 18, 0], [0, 0], [1 / 18, 1 / 18]], dtype=DT)
+    torch.testing.assert_close(_grad(loss, lp), expected, atol=1e-12, rtol=0)
+    # token_norm "batch": alpha x 2 / T_tot = (5/3)(2/8) = 5/12; without alpha 1/4 and 1/5.
+    assert fn(lp, old, mask, CASE_A_GIDS, CASE_A_REWARDS, token_norm="batch")[0].item() == pytest.approx(-5 / 12)
+    loss, m = fn(lp, old, mask, CASE_A_GIDS, CASE_A_REWARDS, token_norm="batch", alpha_correction=False)
+    assert loss.item() == pytest.approx(-0.25, abs=1e-12) and m["alpha"] == 1.0
+    loss, _ = fn(lp, old, mask, CASE_A_GIDS, CASE_A_REWARDS, alpha_correction=False)
+    assert loss.item() == pytest.approx(-0.2, abs=1e-12)
+    # F_norm = std (population std of {1, 0, 0} = sqrt(2/9) = 0.4714045208): J = (1/3) / (sqrt(2/9) + 1e-6).
+    loss, _ = fn(lp, old, mask, CASE_A_GIDS, CASE_A_REWARDS, adv_std_norm=True)
+    assert math.sqrt(2 / 9) == pytest.approx(0.4714045207910317, abs=1e-15)
+    assert loss.item() == pytest.approx(-(1 / 3) / (math.sqrt(2 / 9) + 1e-6), abs=1e-12)
+
+
+def test_gpg_equal_rewards_everywhere_gives_zero() -> None:
+    lp, old, mask = _case_a(same_old=True)
+    loss, m = losses.get_loss("gpg")(lp, old, mask, CASE_A_GIDS, torch.ones(5, dtype=DT))
+    # Every A is 0; M = B, so alpha stays 1 rather than B / 0.
+    assert loss.item() == 0.0 and m["alpha"] == 1.0 and m["valid_share"] == 0.0
+    assert (_grad(loss, lp) == 0).all()
+
+
+# TRPA on case A with a reference: log pi - log pi_ref per token a [1, 1], b [0], c [-1, -1], d, e 0
+# -> h_a = 1, h_b = 0, h_c = -1. Question 7's pairs: (a, b), (a, c), both won by a correct rollout, so
+# beta_w = 0.1 x 2.5 = 0.25; question 3 (all correct) has none: P = 2.
+CASE_A_REF = ([-1.0], [-2.0, -2.0], [-2.0], [-0.5, -0.5], [-2.0, -4.0])
+
+
+def _log_sigmoid(x: float) -> float:
+    return -math.log1p(math.exp(-x))
+
+
+def test_trpa_hand_values() -> None:
+    lp, old, mask = _case_a()
+    ref, _ = _rows(*CASE_A_REF)
+    fn = losses.get_loss("trpa")
+    assert fn.needs_reference
+    loss, m = fn(lp, old, mask, CASE_A_GIDS, CASE_A_REWARDS, ref_logprobs=ref)
+    # J = (log s(0.25 (1 - 0)) + log s(0.25 (1 + 1))) / 2 = (-0.5759394199 - 0.4740769842) / 2 = -0.5250082020.
+    J = (_log_sigmoid(0.25) + _log_sigmoid(0.5)) / 2
+    assert _log_sigmoid(0.25) == pytest.approx(-0.5759394199, abs=1e-10)
+    assert _log_sigmoid(0.5) == pytest.approx(-0.4740769842, abs=1e-10)
+    assert J == pytest.approx(-0.5250082020, abs=1e-10)
+    # Trust region: only a's first token moved, x = old - new = -0.5 - (-1) = 0.5 -> e^0.5 - 0.5 - 1
+    # = 0.1487212707 over 8 tokens; penalty 0.001 x 0.1487212707 / 8.
+    k_tr = (math.exp(0.5) - 1.5) / 8
+    assert m["objective"] == pytest.approx(J, abs=1e-12)
+    assert m["tr_kl"] == pytest.approx(k_tr, abs=1e-12)
+    assert m["penalty"] == pytest.approx(1e-3 * k_tr, abs=1e-15)
+    assert loss.item() == pytest.approx(-J + 1e-3 * k_tr, abs=1e-12)
+    assert m["pairs"] == 2.0 and m["pair_accuracy"] == 1.0
+    # k1 KL(old || new) monitored as for every loss: 0.5 / 8.
+    assert m["kl"] == pytest.approx(CASE_A_K, abs=1e-15)
+    # Gradient of the preference term: dJ/dh_a = 0.25 (s(-0.25) + s(-0.5)) / 2, spread over a's 2 tokens.
+    no_tr, _ = fn(lp, old, mask, CASE_A_GIDS, CASE_A_REWARDS, ref_logprobs=ref, tr_kl_coef=0.0)
+    sig = [1 / (1 + math.exp(x)) for x in (0.25, 0.5)]  # s(-0.25), s(-0.5)
+    g_a = -0.25 * (sig[0] + sig[1]) / 2 / 2
+    g_b, g_c = 0.25 * sig[0] / 2, 0.25 * sig[1] / 2 / 2
+    expected = torch.tensor([[0, 0], [g_a, g_a], [g_b, 0], [0, 0], [g_c, g_c]], dtype=DT)
+    torch.testing.assert_close(_grad(no_tr, lp), expected, atol=1e-12, rtol=0)
+
+
+def test_trpa_three_levels_and_anisotropy() -> None:
+    # One question, rewards 1 > 0 > -1 (three preference levels), h = 1, 0, -1 (one token each, old = new).
+    lp, mask = _rows([0.0], [0.0], [0.0])
+    ref, _ = _rows([-1.0], [0.0], [1.0])
+    lp.requires_grad_(True)
+    gids, rewards = torch.tensor([4, 4, 4]), torch.tensor([1.0, 0.0, -1.0], dtype=DT)
+    loss, m = losses.get_loss("trpa")(lp, lp.detach(), mask, gids, rewards, ref_logprobs=ref)
+    # Pairs: (1 > 0) and (1 > -1) won by the correct rollout: beta 0.25, margins 1 and 2; (0 > -1) won by a wrong
+    # one: beta 0.1, margin 1. J = (log s(0.25) + log s(0.5) + log s(0.1)) / 3.
+    J = (_log_sigmoid(0.25) + _log_sigmoid(0.5) + _log_sigmoid(0.1)) / 3
+    assert m["pairs"] == 3.0
+    assert loss.item() == pytest.approx(-J, abs=1e-12)
+    # With threshold 0.5 the middle rollout (reward 0) is a negative; with threshold -0.5 it counts as correct,
+    # so the (0 > -1) pair gets the anisotropic beta too: log s(0.25 x 1).
+    loss, _ = losses.get_loss("trpa")(lp, lp.detach(), mask, gids, rewards, ref_logprobs=ref, positive_threshold=-0.5)
+    assert loss.item() == pytest.approx(-(_log_sigmoid(0.25) * 2 + _log_sigmoid(0.5)) / 3, abs=1e-12)
+
+
+def test_trpa_without_pairs_keeps_only_the_trust_region() -> None:
+    lp, old, mask = _case_a()
+    ref, _ = _rows(*CASE_A_REF)
+    loss, m = losses.get_loss("trpa")(lp, old, mask, CASE_A_GIDS, torch.ones(5, dtype=DT), ref_logprobs=ref)
+    # Every rollout correct: no pair, J = 0; the trust-region term remains (as in test_trpa_hand_values).
+    assert m["pairs"] == 0.0 and m["objective"] == 0.0
+    assert loss.item() == pytest.approx(1e-3 * (math.exp(0.5) - 1.5) / 8, abs=1e-15)
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Gradients against the naive loop.
 
@@ -561,6 +722,30 @@ def test_gradient_matches_naive_loop(name: str, hp: dict, reward_kind: str, regi
     torch.testing.assert_close(g, _grad(ref_loss, c["lp"]), atol=1e-10, rtol=0)
     if name.startswith(("grpo", "dr_grpo", "dapo")) and regime == "active":
         assert 0 < m["clip_frac"] < 1
+
+
+@pytest.mark.parametrize(("name", "hp"), [v for v in VARIANTS if v[0] in ("gpg", "trpa")])
+def test_graded_rewards_match_naive_loop(name: str, hp: dict) -> None:
+    """Four reward levels (1, 0, -0.5, -1, as TRPA's rules would grade): TRPA pairs across every two levels, the
+    anisotropic beta only for pairs won by a correct rollout; GPG's advantage on non-binary rewards."""
+    c = random_case(seed=17)
+    levels = torch.tensor([1.0, 0.0, -0.5, -1.0], dtype=DT)
+    rewards = levels[torch.randint(4, (len(c["gids"]),), generator=torch.Generator().manual_seed(18))]
+    fn = losses.get_loss(name, **hp)
+    loss, m = fn(c["lp"], c["old"], c["mask"], c["gids"], rewards, **_inputs(fn, c), **hp)
+    ref_loss, J, _ = naive(name, c["lp"], c["old"], c["mask"], c["gids"], rewards, ref=c["ref"], **hp)
+    assert loss.item() == pytest.approx(ref_loss.item(), abs=1e-10)
+    assert m["objective"] == pytest.approx(J.item(), abs=1e-10)
+    torch.testing.assert_close(_grad(loss, c["lp"]), _grad(ref_loss, c["lp"]), atol=1e-10, rtol=0)
+    if name == "trpa":
+        # Some pairs are won by a wrong rollout (0 > -0.5, ...): the plain-beta path is exercised too.
+        wrong_winner = [
+            (i, j)
+            for i in range(len(rewards))
+            for j in range(len(rewards))
+            if c["gids"][i] == c["gids"][j] and 0.5 >= rewards[i] > rewards[j]
+        ]
+        assert wrong_winner and m["pairs"] > len(wrong_winner)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -746,7 +931,9 @@ def test_metrics_are_flat_floats(name: str, hp: dict) -> None:
     c = random_case(1)
     fn = losses.get_loss(name, **hp)
     _, m = fn(c["lp"], c["old"], c["mask"], c["gids"], c["rewards"], **_inputs(fn, c), **hp)
-    wanted = REQUIRED_METRICS | ({"clip_frac"} if fn.stats_fn is not losses.score_stats else set())
+    clipped = fn.stat_names[: len(losses.CLIP_STATS)] == losses.CLIP_STATS
+    wanted = REQUIRED_METRICS | ({"clip_frac"} if clipped else set())
+    wanted |= {"gpg": {"alpha", "valid_share"}, "trpa": {"tr_kl", "pairs", "pair_accuracy"}}.get(name, set())
     assert wanted <= set(m)
     assert all(type(v) is float and math.isfinite(v) and "/" not in k for k, v in m.items())
 
@@ -789,8 +976,9 @@ def test_empty_rows_are_safe() -> None:
 
 
 def test_registry_and_lookup_errors() -> None:
-    assert list(losses.LOSSES) == ["disco", "discob", "grpo", "grpo_rw", "dr_grpo", "dapo", "grpo_er"]
-    with pytest.raises(ValueError, match="valid names: disco, discob, grpo, grpo_rw, dr_grpo, dapo, grpo_er"):
+    names = ["disco", "discob", "grpo", "grpo_rw", "dr_grpo", "dapo", "grpo_er", "gpg", "trpa"]
+    assert list(losses.LOSSES) == names
+    with pytest.raises(ValueError, match="valid names: " + ", ".join(names)):
         losses.get_loss("ppo")
     with pytest.raises(ValueError, match=r"loss 'disco' got unknown hyper-parameter\(s\) \['clip_eps'\]"):
         losses.get_loss("disco", clip_eps=0.2)
@@ -805,9 +993,14 @@ def test_reference_and_entropy_requirements() -> None:
     assert not losses.get_loss("grpo", kl_coef=0.0).needs_reference
     assert losses.get_loss("grpo_er", kl_coef=1e-3).needs_reference
     assert not losses.get_loss("disco", tau=1.0).needs_reference
+    assert not losses.get_loss("gpg").needs_reference and not losses.get_loss("gpg", token_norm="batch").needs_reference
+    # TRPA's preference term is a log-ratio to the reference: needed at the registry defaults and after binding.
+    assert losses.get_loss("trpa").needs_reference and losses.get_loss("trpa", trpa_beta=0.2).needs_reference
     lp, old, mask = _case_c()
     with pytest.raises(ValueError, match="needs ref_logprobs"):
         losses.get_loss("grpo").stats(lp, old, mask, kl_coef=0.001)
+    with pytest.raises(ValueError, match=r"loss 'trpa' \(a log-ratio to the reference\) needs ref_logprobs"):
+        losses.get_loss("trpa").stats(lp, old, mask)
     with pytest.raises(ValueError, match="needs entropy"):
         losses.get_loss("grpo_er").stats(lp, old, mask)
     with pytest.raises(ValueError, match=r"mask must be \[4, 2\]"):
@@ -850,6 +1043,17 @@ def test_loss_kwargs_rejects_terms_the_loss_lacks() -> None:
         losses.loss_kwargs(config_lib.validate({"loss": {"name": "dapo", "kl_coef": 0.001}}))
     with pytest.raises(ConfigError, match="loss.entropy_coef=0.01 has no effect with loss.name=grpo"):
         losses.loss_kwargs(config_lib.validate({"loss": {"name": "grpo", "entropy_coef": 0.01}}))
+    # GPG's and TRPA's keys, away from their defaults, for a loss without them.
+    with pytest.raises(ConfigError, match="loss.alpha_correction=False has no effect with loss.name=dr_grpo"):
+        losses.loss_kwargs(config_lib.validate({"loss": {"name": "dr_grpo", "alpha_correction": False}}))
+    with pytest.raises(ConfigError, match="loss.trpa_beta=0.2 has no effect with loss.name=gpg"):
+        losses.loss_kwargs(config_lib.validate({"loss": {"name": "gpg", "trpa_beta": 0.2}}))
+    with pytest.raises(ConfigError, match="loss.kl_coef=0.001 has no effect with loss.name=trpa"):
+        losses.loss_kwargs(config_lib.validate({"loss": {"name": "trpa", "kl_coef": 0.001}}))
+    # At their defaults they are no choice, so every loss accepts them.
+    hp = losses.loss_kwargs(config_lib.validate({"loss": {"name": "trpa", "trpa_beta": 0.2, "tr_kl_coef": 0.0}}))
+    assert hp["trpa_beta"] == 0.2 and hp["tr_kl_coef"] == 0.0 and hp["trpa_anisotropy"] == 2.5
+    assert losses.loss_kwargs(config_lib.validate({"loss": {"name": "disco"}}))["tau"] == 10.0
 
 
 def test_function_defaults_match_the_config_schema() -> None:

@@ -120,12 +120,28 @@ EXPECTED: dict[str, dict] = {
     "grpo-er-r1qwen1.5b-1n8g-8k": _baseline(
         "grpo_er", **{"loss.kl_coef": 0.001, "loss.entropy_coef": 0.001, "loss.clip_eps": 0.2}
     ),
+    # GPG (arXiv 2504.02546): F_norm = 1 (eq. 6), alpha = B / (B - M) (eq. 7-8), eq. 5's per-question tokens.
+    "gpg-r1qwen1.5b-1n8g-8k": _baseline(
+        "gpg",
+        **{
+            "loss.adv_std_norm": False,
+            "loss.alpha_correction": True,
+            "loss.token_norm": "question",
+            "loss.kl_coef": 0.0,
+            "algorithm.dynamic_sampling": False,
+        },
+    ),
+    # TRPA (arXiv 2504.04524): the TRPA authors' main_TRPA.sh values.
+    "trpa-r1qwen1.5b-1n8g-8k": _baseline(
+        "trpa",
+        **{"loss.trpa_beta": 0.1, "loss.trpa_anisotropy": 2.5, "loss.tr_kl_coef": 0.001, "loss.kl_coef": 0.0},
+    ),
 }
 
 PAPER_RECIPES = sorted(p.stem for p in RECIPES.glob("*.yaml") if p.stem not in NOT_PAPER_RUNS)
 # <algo>-<score>-<model>-<N>n<G>g-<maxlen>[-variant]; baselines have no score.
 NAME = re.compile(
-    r"^(disco|discob|grpo|dr-grpo|dapo|grpo-er)(-(logl|lratio))?-r1(qwen1\.5b|qwen7b|llama8b)-\d+n\d+g-\d+k\b"
+    r"^(disco|discob|grpo|dr-grpo|dapo|grpo-er|gpg|trpa)(-(logl|lratio))?-r1(qwen1\.5b|qwen7b|llama8b)-\d+n\d+g-\d+k\b"
 )
 
 
@@ -173,10 +189,13 @@ def test_recipe_form(name):
 @pytest.mark.parametrize("name", PAPER_RECIPES)
 def test_recipe_sets_only_what_differs_from_the_exemplar(name):
     """Each value a recipe states differs from the exemplar's, except values that document a choice in place
-    (tau, clip_eps, a zero KL coefficient, overlong penalty, run_dir): restating those keeps a recipe readable."""
+    (tau, clip_eps, a zero KL coefficient, overlong penalty, GPG's and TRPA's own keys, run_dir): restating those
+    keeps a recipe readable."""
     exemplar = config.load(RECIPES / "disco.yaml")
     raw = yaml.safe_load((RECIPES / f"{name}.yaml").read_text())
     restated_on_purpose = {"loss.tau", "loss.clip_eps", "loss.kl_coef", "algorithm.overlong_penalty"}
+    restated_on_purpose |= {f"loss.{k}" for k in ("adv_std_norm", "alpha_correction", "token_norm")}
+    restated_on_purpose |= {f"loss.{k}" for k in ("trpa_beta", "trpa_anisotropy", "tr_kl_coef")}
     restated_on_purpose |= {"logging.run_dir"}
     same = []
     for section, values in raw.items():
