@@ -43,7 +43,7 @@ import json
 import logging
 import math
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -386,19 +386,33 @@ def generation_phase(tr: Trainer, timer: Timer, colocated: bool | None = None) -
             tr.policy.onload()
 
 
-def rollout_phase(tr: Trainer) -> tuple[list[dict], dict[str, float]]:
-    """The step's questions with their graded rollouts (DAPO dynamic sampling tops up informative ones)."""
+def rollout_phase(
+    tr: Trainer, collect: Callable[[Trainer, list[int], int], tuple[list[dict], dict[str, float]]] | None = None
+) -> tuple[list[dict], dict[str, float]]:
+    """The step's questions with their graded rollouts; dynamic sampling tops up informative ones.
+
+    With ``algorithm.dynamic_sampling`` more rounds of questions are sampled (at most
+    ``algorithm.max_sampling_rounds`` in all) until ``algorithm.min_valid_share`` of the step's questions have
+    both a positive and a negative rollout: 1.0 is DAPO's rule (all of them), 0.6 GPG's beta_th (Alg. 1 of
+    arXiv 2504.02546). The informative questions come first, zero-variance ones fill the rest.
+
+    Args:
+        tr: the trainer.
+        collect: :func:`collect_rollouts` (tests pass their own).
+    """
+    collect = collect or collect_rollouts
     cfg = tr.cfg
     need = cfg.algorithm.prompts_per_step
     base_seed = (cfg.algorithm.seed * 1_000_003 + tr.step * 7919) % (2**31)
-    records, metrics = collect_rollouts(tr, tr.sampler.next_batch(), base_seed)
+    records, metrics = collect(tr, tr.sampler.next_batch(), base_seed)
     if cfg.algorithm.dynamic_sampling:
         threshold = cfg.reward.positive_threshold
         kept = [r for r in records if _has_variance(r, threshold)]
         spare = [r for r in records if not _has_variance(r, threshold)]
+        target = math.ceil(cfg.algorithm.min_valid_share * need - 1e-9)
         rounds = 1
-        while len(kept) < need and rounds < cfg.algorithm.max_sampling_rounds:
-            more, m = collect_rollouts(tr, tr.sampler.next_batch(), base_seed + rounds)
+        while len(kept) < target and rounds < cfg.algorithm.max_sampling_rounds:
+            more, m = collect(tr, tr.sampler.next_batch(), base_seed + rounds)
             for k, v in m.items():
                 metrics[k] = metrics.get(k, 0.0) + v
             kept += [r for r in more if _has_variance(r, threshold)]
@@ -407,6 +421,7 @@ def rollout_phase(tr: Trainer) -> tuple[list[dict], dict[str, float]]:
         metrics["train/sampling_rounds"] = float(rounds)
         # Short of informative questions after max_sampling_rounds: fill with zero-variance ones (zero advantage).
         records = (kept + spare)[:need]
+        metrics["train/informative_share"] = min(len(kept), need) / need
     _shape_overlong(cfg, records)
     return records, metrics
 

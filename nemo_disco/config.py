@@ -187,6 +187,9 @@ class AlgorithmConfig(_Section):
     # DAPO data-side tricks.
     dynamic_sampling: bool = False
     max_sampling_rounds: int = Field(3, ge=1)
+    # Dynamic sampling stops once this share of the step's questions have a positive and a negative rollout:
+    # 1.0 = DAPO (all of them), 0.6 = GPG's beta_th.
+    min_valid_share: float = Field(1.0, gt=0, le=1)
     overlong_buffer_tokens: int = Field(0, ge=0)
     overlong_penalty: float = Field(1.0, ge=0)
 

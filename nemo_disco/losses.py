@@ -1109,8 +1109,10 @@ def gpg_objective(
     normalisation (+1e-4, sample std) and no alpha.
 
     Not part of this loss: the valid-share threshold beta_th of Alg. 1 (0.6 in tab. 1), which keeps sampling
-    until (B - M) / B >= beta_th. It is a sampler rule; ``algorithm.dynamic_sampling`` (DAPO's refill to M = 0,
-    so alpha = 1) is a different one. Alg. 1 takes one update per batch: with several mini-batches per step the
+    until (B - M) / B >= beta_th. It is a sampler rule: ``algorithm.dynamic_sampling=true`` with
+    ``algorithm.min_valid_share=0.6`` (the GPG recipe; the authors' trainer counts zero-variance questions by
+    reward std <= 1e-5, the sampler by having both a positive and a negative rollout, the same for {0, 1}
+    rewards). Alg. 1 takes one update per batch: with several mini-batches per step the
     later updates use rollouts of pi_old != pi_theta without a ratio, as the paper's objective has none.
     """
     logp_sum, n = stats[:, 0], stats[:, 1]  # [N], [N]

@@ -98,3 +98,56 @@ def test_reference_policy_is_forward_only(tiny_qwen2):
     assert ref.optimizer is None and not any(p.requires_grad for p in ref.model.parameters())
     with pytest.raises(RuntimeError, match="forward-only"):
         ref.train_minibatch(None, None)  # type: ignore[arg-type]
+
+
+class _Sampler:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def next_batch(self) -> list[int]:
+        self.calls += 1
+        return list(range(10))
+
+
+def _collector(informative_per_round: list[int]):
+    """Rounds of 10 questions of which the first ``k`` have a positive and a negative rollout."""
+
+    def collect(tr, question_ids, seed):  # noqa: ANN001, ANN202
+        k = informative_per_round[min(tr.sampler.calls, len(informative_per_round)) - 1]
+        records = [{"rewards": [1.0, 0.0] if i < k else [0.0, 0.0], "responses": [[1], [1]]} for i in question_ids]
+        return records, {"timing/generate": 1.0}
+
+    return collect
+
+
+@pytest.mark.parametrize(
+    ("share", "per_round", "rounds", "informative"),
+    [
+        (1.0, [4, 4, 4], 3, 1.0),  # DAPO: 4 + 4 + 4 >= 10 informative after the third round
+        (0.6, [4, 4, 4], 2, 0.8),  # GPG beta_th 0.6: 8 >= 6 after the second round; 8 of the 10 kept
+        (0.6, [6, 0, 0], 1, 0.6),  # 6 >= 6 at once
+        (1.0, [1, 1, 1], 3, 0.3),  # the round cap: 3 informative, 7 zero-variance fill the step
+    ],
+)
+def test_dynamic_sampling_stops_at_the_informative_share(share, per_round, rounds, informative):
+    from nemo_disco.algorithm import rollout_phase
+
+    cfg = config.load(
+        config.Path(__file__).resolve().parents[2] / "recipes" / "disco.yaml",
+        [
+            "algorithm.prompts_per_step=10",
+            "algorithm.minibatch_prompts=10",
+            "algorithm.rollouts_per_prompt=2",
+            "algorithm.dynamic_sampling=true",
+            "algorithm.max_sampling_rounds=3",
+            f"algorithm.min_valid_share={share}",
+            "cluster.gpus_per_node=1",
+        ],
+    )
+    tr = SimpleNamespace(cfg=cfg, step=0, sampler=_Sampler())
+    records, metrics = rollout_phase(tr, collect=_collector(per_round))
+    assert len(records) == 10
+    assert metrics["train/sampling_rounds"] == rounds and tr.sampler.calls == rounds
+    assert metrics["train/informative_share"] == informative
+    assert metrics["timing/generate"] == rounds  # each round's metrics add up
+    assert [r["rewards"] for r in records[: int(informative * 10)]] == [[1.0, 0.0]] * int(informative * 10)

@@ -128,7 +128,9 @@ EXPECTED: dict[str, dict] = {
             "loss.alpha_correction": True,
             "loss.token_norm": "question",
             "loss.kl_coef": 0.0,
-            "algorithm.dynamic_sampling": False,
+            "algorithm.dynamic_sampling": True,  # Alg. 1: resample until beta_th of the questions are informative
+            "algorithm.min_valid_share": 0.6,  # beta_th, tab. 1
+            "algorithm.max_sampling_rounds": 20,  # the authors' max_resample_attempts
         },
     ),
     # TRPA (arXiv 2504.04524): the TRPA authors' main_TRPA.sh values.
