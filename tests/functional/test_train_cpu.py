@@ -70,7 +70,20 @@ DAPO_DATA_SIDE = [
 ]
 
 
-@pytest.mark.parametrize(("loss", "extra"), [("disco", []), ("grpo", []), ("dapo", DAPO_DATA_SIDE)])
+GPG_SAMPLER = ["algorithm.dynamic_sampling=true", "algorithm.min_valid_share=0.6", "algorithm.max_sampling_rounds=2"]
+
+
+@pytest.mark.parametrize(
+    ("loss", "extra"),
+    [
+        ("disco", []),
+        ("grpo", []),
+        ("dapo", DAPO_DATA_SIDE),
+        ("gpg", GPG_SAMPLER),
+        ("trpa", []),  # builds the forward-only reference policy
+        ("grpo", ["loss.kl_coef=0.001"]),  # the GRPO family's KL regulariser: the reference policy too
+    ],
+)
 def test_three_steps_metrics_finite_and_parameters_change(tmp_path, loss, extra):
     run = tmp_path / loss
     res = _train(run, "algorithm.steps=3", f"loss.name={loss}", "checkpoint.save_every=3", *extra)
@@ -82,7 +95,7 @@ def test_three_steps_metrics_finite_and_parameters_change(tmp_path, loss, extra)
             assert key in r, key
             assert r[key] is not None and math.isfinite(r[key]), (key, r[key])
         # Overlong shaping subtracts up to overlong_penalty (1.0) from a {0, 1} reward.
-        assert (-1.0 if extra else 0.0) <= r["train/reward_mean"] <= 1.0
+        assert (-1.0 if extra == DAPO_DATA_SIDE else 0.0) <= r["train/reward_mean"] <= 1.0
         assert r["timing/generate"] + r["timing/train"] <= r["timing/step"] + 1e-6
         # Transformers generator and policy, both fp32: the rollout/training mismatch is ~0.
         assert r["mismatch/max_abs_logprob_diff"] < 1e-3
@@ -92,8 +105,12 @@ def test_three_steps_metrics_finite_and_parameters_change(tmp_path, loss, extra)
     assert len(changed) >= len(init) // 2, "most parameter tensors should move"
     saved = (run / "checkpoints" / "step_3" / "config.yaml").read_text()
     assert f"name: {loss}" in saved
-    if extra:  # dynamic sampling ran (1 or 2 rounds); overlong shaping penalised long responses
+    if "algorithm.dynamic_sampling=true" in extra:  # dynamic sampling ran (1 or 2 rounds)
         assert all(r["train/sampling_rounds"] in (1.0, 2.0) for r in records)
+        # A step stops after one round only when the target share of informative questions was reached.
+        target = 0.6 if extra == GPG_SAMPLER else 1.0
+        assert all(r["train/informative_share"] >= target for r in records if r["train/sampling_rounds"] == 1.0)
+    if extra == DAPO_DATA_SIDE:  # overlong shaping penalised long responses
         assert any(r["train/reward_mean"] < 0 for r in records)
 
 
