@@ -112,15 +112,32 @@ def prepare_model(cfg: RunConfig, run_dir: Path) -> Path:
     from nemo_disco import tiny
 
     model_dir = run_dir / "init_model"
-    if distributed.rank() == 0 and not (model_dir / "config.json").is_file():
-        tmp = run_dir / "init_model.tmp"
-        tiny.build_model(cfg.policy.tiny, tmp, seed=cfg.algorithm.seed)
-        if cfg.algorithm.warmup_sft_steps:
-            problems, _ = load_problems(cfg.data.train, **_data_kwargs(cfg))
-            tiny.warm_up(tmp, problems, cfg)
-        tmp.rename(model_dir)
+    a = cfg.algorithm
+    if not (model_dir / "config.json").is_file():
+        # Read on every rank, so that a held-out set too small for the target fails everywhere, not on rank 0 alone.
+        held_out = _warmup_eval_problems(cfg) if a.warmup_sft_steps and a.warmup_target else None
+        if distributed.rank() == 0:
+            tmp = run_dir / "init_model.tmp"
+            tiny.build_model(cfg.policy.tiny, tmp, seed=a.seed)
+            if a.warmup_sft_steps:
+                problems, _ = load_problems(cfg.data.train, **_data_kwargs(cfg))
+                tiny.warm_up(tmp, problems, cfg, held_out)
+            tmp.rename(model_dir)
     distributed.barrier()
     return model_dir
+
+
+def _warmup_eval_problems(cfg: RunConfig) -> list:
+    """The held-out problems the warm-up's accuracy target is measured on: data.val after the validation ones."""
+    problems, _ = load_problems(cfg.data.val, **{**_data_kwargs(cfg), "on_bad_row": "skip"})
+    first, n = cfg.data.val_max_problems, cfg.algorithm.warmup_eval_problems
+    if len(problems) < first + n:
+        raise ConfigError(
+            f"data.val={cfg.data.val!r} has {len(problems)} problems: fewer than data.val_max_problems={first} "
+            f"(validation) + algorithm.warmup_eval_problems={n} (the warm-up's target); for synthetic data raise "
+            "data.synthetic_size"
+        )
+    return problems[first : first + n]
 
 
 def _data_kwargs(cfg: RunConfig) -> dict[str, Any]:
