@@ -49,13 +49,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nemo_disco import checkpoint, distributed, losses
+from nemo_disco import checkpoint, distributed, losses, stats
 from nemo_disco import config as config_lib
 from nemo_disco.batch import RolloutBatch, collate
 from nemo_disco.config import ConfigError, RunConfig
 from nemo_disco.data import PromptSampler, encode_prompts, load_problems
 from nemo_disco.generation.base import Generator, SamplingParams
-from nemo_disco.metrics import MetricsLogger, Timer
+from nemo_disco.metrics import MetricsLogger, Timer, read_jsonl
 from nemo_disco.policy import build_policy
 from nemo_disco.policy.base import Policy
 from nemo_disco.rewards import GraderPool
@@ -555,8 +555,13 @@ def _step_metrics(
 # Validation, checkpoints, the loop
 
 
-def validate(tr: Trainer, problems: list, prompt_ids: list[list[int]], samples: int, seed: int) -> float:
-    """pass@1 over ``samples`` samples per problem (each DP rank a share; identical result on every rank)."""
+def validate(tr: Trainer, problems: list, prompt_ids: list[list[int]], samples: int, seed: int) -> list[float]:
+    """Per-problem pass@1 (share of ``samples`` correct samples), in problem order, identical on every rank.
+
+    Each data-parallel rank samples a strided share of the problems; the shares are gathered and put back
+    in order. Their mean is the pass@1; their spread gives its standard error (:mod:`nemo_disco.stats`), and
+    two validations on the same problems give a paired gain.
+    """
     g = tr.cfg.generation
     share = list(range(len(problems)))[tr.policy.dp_rank :: tr.policy.dp_size]
     sampling = _sampling(tr.cfg, tr.tokenizer, _rank_seed(seed, tr))
@@ -566,10 +571,28 @@ def validate(tr: Trainer, problems: list, prompt_ids: list[list[int]], samples: 
     texts = [tr.tokenizer.decode(r.token_ids, skip_special_tokens=True) for rs in rollouts for r in rs]
     truths = [problems[i].answer for i in share for _ in range(samples)]
     scores, _ = tr.grader.score(texts, truths)
-    total = torch.tensor([sum(scores), float(len(scores))], dtype=torch.float64)
-    if tr.policy.dp_size > 1:
-        dist.all_reduce(total, group=tr.policy.dp_group)
-    return float(total[0] / total[1]) if total[1] else 0.0
+    local = [sum(scores[k * samples : (k + 1) * samples]) / samples for k in range(len(share))]
+    parts = distributed.all_gather_object(local, tr.policy.dp_group) if tr.policy.dp_size > 1 else [local]
+    per_problem = [0.0] * len(problems)
+    for r, part in enumerate(parts):  # rank r sampled problems r, r + dp, r + 2 dp, ...
+        per_problem[r :: len(parts)] = part
+    return per_problem
+
+
+def _log_validation(tr: Trainer, step: int, per_problem: list[float]) -> dict[str, float]:
+    """``val/pass@1`` and its standard error over problems; the per-problem values go to validation.jsonl.
+
+    A record for ``step`` replaces any of the same or a later step (left by a run that resumed before them).
+    """
+    mean, se = stats.mean_se(per_problem) if per_problem else (0.0, 0.0)
+    if tr.env.is_main:
+        path = tr.run_dir / "validation.jsonl"
+        kept = [r for r in read_jsonl(path) if r["step"] < step]
+        kept.append({"step": step, "pass@1": mean, "pass@1_se": se, "per_problem": per_problem})
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        tmp.replace(path)
+    return {"val/pass@1": mean, "val/pass@1_se": se}
 
 
 def _val_set(tr: Trainer) -> tuple[list, list[list[int]]]:
@@ -621,13 +644,13 @@ def train(cfg: RunConfig) -> dict[str, float]:
     last: dict[str, float] = {}
     try:
         if val is not None and tr.step == 0:
-            acc = validate(tr, *val, cfg.data.val_samples, seed=cfg.algorithm.seed)
-            tr.logger.log(0, {"val/pass@1": acc})
+            tr.logger.log(0, _log_validation(tr, 0, validate(tr, *val, cfg.data.val_samples, seed=cfg.algorithm.seed)))
         while tr.step < cfg.algorithm.steps:
             metrics = train_step(tr)
             tr.step += 1
             if val is not None and cfg.data.val_every and tr.step % cfg.data.val_every == 0:
-                metrics["val/pass@1"] = validate(tr, *val, cfg.data.val_samples, seed=cfg.algorithm.seed + tr.step)
+                per_problem = validate(tr, *val, cfg.data.val_samples, seed=cfg.algorithm.seed + tr.step)
+                metrics.update(_log_validation(tr, tr.step, per_problem))
             tr.logger.log(tr.step, metrics)
             last = metrics
             sig = _signal_agreed(tr)

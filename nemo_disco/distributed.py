@@ -98,3 +98,12 @@ def barrier() -> None:
     """Wait for every rank (no-op for one process)."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
+
+
+def all_gather_object(obj: object, group: object | None = None) -> list:
+    """Every rank's picklable ``obj`` of ``group``, in rank order (``[obj]`` when not distributed)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [obj]
+    parts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, obj, group=group)
+    return parts
