@@ -50,13 +50,13 @@ from typing import Any
 
 import torch
 
-from nemo_disco import checkpoint, distributed, losses
+from nemo_disco import checkpoint, distributed, losses, stats
 from nemo_disco import config as config_lib
 from nemo_disco.batch import RolloutBatch, collate
 from nemo_disco.config import ConfigError, RunConfig
 from nemo_disco.data import PromptSampler, encode_prompts, load_problems
 from nemo_disco.generation.base import EngineLayout, Generator, SamplingParams
-from nemo_disco.metrics import MetricsLogger, Timer
+from nemo_disco.metrics import MetricsLogger, Timer, read_jsonl
 from nemo_disco.policy import build_policy
 from nemo_disco.policy.base import Policy
 from nemo_disco.rewards import GraderPool
@@ -114,15 +114,32 @@ def prepare_model(cfg: RunConfig, run_dir: Path) -> Path:
     from nemo_disco import tiny
 
     model_dir = run_dir / "init_model"
-    if distributed.rank() == 0 and not (model_dir / "config.json").is_file():
-        tmp = run_dir / "init_model.tmp"
-        tiny.build_model(cfg.policy.tiny, tmp, seed=cfg.algorithm.seed)
-        if cfg.algorithm.warmup_sft_steps:
-            problems, _ = load_problems(cfg.data.train, **_data_kwargs(cfg))
-            tiny.warm_up(tmp, problems, cfg)
-        tmp.rename(model_dir)
+    a = cfg.algorithm
+    if not (model_dir / "config.json").is_file():
+        # Read on every rank, so that a held-out set too small for the target fails everywhere, not on rank 0 alone.
+        held_out = _warmup_eval_problems(cfg) if a.warmup_sft_steps and a.warmup_target else None
+        if distributed.rank() == 0:
+            tmp = run_dir / "init_model.tmp"
+            tiny.build_model(cfg.policy.tiny, tmp, seed=a.seed)
+            if a.warmup_sft_steps:
+                problems, _ = load_problems(cfg.data.train, **_data_kwargs(cfg))
+                tiny.warm_up(tmp, problems, cfg, held_out)
+            tmp.rename(model_dir)
     distributed.barrier()
     return model_dir
+
+
+def _warmup_eval_problems(cfg: RunConfig) -> list:
+    """The held-out problems the warm-up's accuracy target is measured on: data.val after the validation ones."""
+    problems, _ = load_problems(cfg.data.val, **{**_data_kwargs(cfg), "on_bad_row": "skip"})
+    first, n = cfg.data.val_max_problems, cfg.algorithm.warmup_eval_problems
+    if len(problems) < first + n:
+        raise ConfigError(
+            f"data.val={cfg.data.val!r} has {len(problems)} problems: fewer than data.val_max_problems={first} "
+            f"(validation) + algorithm.warmup_eval_problems={n} (the warm-up's target); for synthetic data raise "
+            "data.synthetic_size"
+        )
+    return problems[first : first + n]
 
 
 def _data_kwargs(cfg: RunConfig) -> dict[str, Any]:
@@ -579,8 +596,13 @@ def _step_metrics(
 # Validation, checkpoints, the loop
 
 
-def validate(tr: Trainer, problems: list, prompt_ids: list[list[int]], samples: int, seed: int) -> float:
-    """pass@1 over ``samples`` samples per problem (each generation engine a share; identical on every rank)."""
+def validate(tr: Trainer, problems: list, prompt_ids: list[list[int]], samples: int, seed: int) -> list[float]:
+    """Per-problem pass@1 (share of ``samples`` correct samples), in problem order, identical on every rank.
+
+    Each generation engine samples a contiguous share of the problems and its leader grades it; the leaders'
+    shares, gathered in engine order, are the problems in order. Their mean is the pass@1; their spread gives
+    its standard error (:mod:`nemo_disco.stats`), and two validations on the same problems give a paired gain.
+    """
     g = tr.cfg.generation
     share = list(range(len(problems)))[tr.engines.share(len(problems))]
     sampling = _sampling(tr.cfg, tr.tokenizer, _engine_seed(seed, tr))
@@ -592,8 +614,24 @@ def validate(tr: Trainer, problems: list, prompt_ids: list[list[int]], samples: 
     texts = [tr.tokenizer.decode(r.token_ids, skip_special_tokens=True) for rs in rollouts for r in rs]
     truths = [problems[i].answer for i in share for _ in range(samples)]
     scores, _ = tr.grader.score(texts, truths) if texts else ([], {})
-    correct, count = distributed.sum_floats([sum(scores), float(len(scores))])
-    return correct / count if count else 0.0
+    local = [sum(scores[k * samples : (k + 1) * samples]) / samples for k in range(len(share))]
+    return _gather_engines(local, tr)
+
+
+def _log_validation(tr: Trainer, step: int, per_problem: list[float]) -> dict[str, float]:
+    """``val/pass@1`` and its standard error over problems; the per-problem values go to validation.jsonl.
+
+    A record for ``step`` replaces any of the same or a later step (left by a run that resumed before them).
+    """
+    mean, se = stats.mean_se(per_problem) if per_problem else (0.0, 0.0)
+    if tr.env.is_main:
+        path = tr.run_dir / "validation.jsonl"
+        kept = [r for r in read_jsonl(path) if r["step"] < step]
+        kept.append({"step": step, "pass@1": mean, "pass@1_se": se, "per_problem": per_problem})
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        tmp.replace(path)
+    return {"val/pass@1": mean, "val/pass@1_se": se}
 
 
 def _val_set(tr: Trainer) -> tuple[list, list[list[int]]]:
@@ -642,13 +680,13 @@ def train(cfg: RunConfig) -> dict[str, float]:
     last: dict[str, float] = {}
     try:
         if val is not None and tr.step == 0:
-            acc = validate(tr, *val, cfg.data.val_samples, seed=cfg.algorithm.seed)
-            tr.logger.log(0, {"val/pass@1": acc})
+            tr.logger.log(0, _log_validation(tr, 0, validate(tr, *val, cfg.data.val_samples, seed=cfg.algorithm.seed)))
         while tr.step < cfg.algorithm.steps:
             metrics = train_step(tr)
             tr.step += 1
             if val is not None and cfg.data.val_every and tr.step % cfg.data.val_every == 0:
-                metrics["val/pass@1"] = validate(tr, *val, cfg.data.val_samples, seed=cfg.algorithm.seed + tr.step)
+                per_problem = validate(tr, *val, cfg.data.val_samples, seed=cfg.algorithm.seed + tr.step)
+                metrics.update(_log_validation(tr, tr.step, per_problem))
             tr.logger.log(tr.step, metrics)
             last = metrics
             sig = _signal_agreed(tr)

@@ -59,19 +59,31 @@ def _check_sources(cfg: config_lib.RunConfig) -> None:
 
 
 def _report(cfg: config_lib.RunConfig) -> None:
-    """End-of-run summary: validation before/after (the embedded demo's demo.json) and the plot."""
-    from nemo_disco.metrics import plot_runs, read_jsonl
+    """End-of-run summary: held-out pass@1 before and after RL with standard errors, and the plot.
+
+    A run on a tiny model built in code (the embedded demo) also writes it to ``demo.json``.
+    """
+    from nemo_disco.metrics import plot_runs
 
     run_dir = Path(cfg.logging.run_dir)
-    records = read_jsonl(run_dir / "metrics.jsonl")
     plot = plot_runs([run_dir], run_dir / "curves.png")
-    val = [(r["step"], r["val/pass@1"]) for r in records if r.get("val/pass@1") is not None]
-    if val:
-        before, after = val[0][1], val[-1][1]
-        print(f"held-out pass@1: before RL {before:.3f} (step {val[0][0]}), after RL {after:.3f} (step {val[-1][0]})")
+    summary = validation_summary(run_dir)
+    if summary is not None:
+        warmup_file = run_dir / "init_model" / "warmup.json"
+        warmup = json.loads(warmup_file.read_text()) if warmup_file.is_file() else None
+        if warmup is not None:
+            print(warmup["message"])
+        v = summary
+        print(f"held-out pass@1 on {v['problems']} problems x {cfg.data.val_samples} samples (+- one standard error):")
+        print(f"  before RL (step {v['step_before']}): {v['accuracy_before']:.3f} +- {v['accuracy_before_se']:.3f}")
+        print(f"  after RL (step {v['step_after']}): {v['accuracy_after']:.3f} +- {v['accuracy_after_se']:.3f}")
+        if v["gain_se"] > 0:
+            z = v["gain"] / v["gain_se"]
+            print(f"  gain: {v['gain']:+.3f} +- {v['gain_se']:.3f} (paired by problem: {z:.1f} standard errors)")
         if cfg.policy.model_path is None:
-            summary = {"accuracy_before": before, "accuracy_after": after, "steps": val[-1][0], "loss": cfg.loss.name}
-            (run_dir / "demo.json").write_text(json.dumps(summary, indent=1) + "\n")
+            demo = {**summary, "samples": cfg.data.val_samples, "steps": summary["step_after"], "loss": cfg.loss.name}
+            demo["warmup"] = warmup
+            (run_dir / "demo.json").write_text(json.dumps(demo, indent=1) + "\n")
     print(f"curves: {plot}")
 
 
@@ -108,6 +120,35 @@ def _add_bootstrap_flags(p: argparse.ArgumentParser, what: str = "intervals", pa
             action="store_true",
             help="resample problems only (default: problems, and for pass@1 the samples within them)",
         )
+
+
+def validation_summary(run_dir: Path) -> dict | None:
+    """Held-out pass@1 of the first and the last validation of a run, and the gain paired by problem.
+
+    Reads ``validation.jsonl`` (per-problem pass@1 of every validation). Returns None when the run has no
+    validation; before and after are the same record when it has one.
+    """
+    from nemo_disco import stats
+    from nemo_disco.metrics import read_jsonl
+
+    records = read_jsonl(run_dir / "validation.jsonl")
+    if not records:
+        return None
+    first, last = records[0], records[-1]
+    before, before_se = stats.mean_se(first["per_problem"])
+    after, after_se = stats.mean_se(last["per_problem"])
+    gain, gain_se = stats.paired_difference(last["per_problem"], first["per_problem"])
+    return {
+        "accuracy_before": before,
+        "accuracy_before_se": before_se,
+        "accuracy_after": after,
+        "accuracy_after_se": after_se,
+        "gain": gain,
+        "gain_se": gain_se,
+        "problems": len(first["per_problem"]),
+        "step_before": first["step"],
+        "step_after": last["step"],
+    }
 
 
 def _plot(args: argparse.Namespace) -> int:

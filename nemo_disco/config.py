@@ -181,9 +181,15 @@ class AlgorithmConfig(_Section):
     rollouts_per_prompt: int = Field(8, ge=1)
     minibatch_prompts: int = Field(32, ge=1)
     seed: int = 1
-    # Supervised warm-up updates on the gold answers before RL (demo only; 0 on real runs).
+    # Supervised warm-up on the gold answers before RL (tiny models built in code only; 0 on real runs): at most
+    # warmup_sft_steps updates. With warmup_target = [low, high] it stops at the first evaluation (every
+    # warmup_eval_every updates, greedy, on warmup_eval_problems problems of data.val beyond data.val_max_problems)
+    # whose accuracy reaches low; null = exactly warmup_sft_steps updates.
     warmup_sft_steps: int = Field(0, ge=0)
     warmup_sft_lr: float = Field(3e-3, gt=0)
+    warmup_target: tuple[float, float] | None = None
+    warmup_eval_every: int = Field(25, ge=1)
+    warmup_eval_problems: int = Field(256, ge=1)
     # DAPO data-side tricks.
     dynamic_sampling: bool = False
     max_sampling_rounds: int = Field(3, ge=1)
@@ -270,6 +276,21 @@ class RunConfig(_Section):
             raise ValueError("loss.name=grpo_er needs loss.entropy_coef > 0")
         if self.data.val_every and not self.data.val:
             raise ValueError(f"data.val_every={self.data.val_every} needs data.val (a benchmark file)")
+        if a.warmup_target is not None and p.model_path is None:  # the warm-up only applies to models built in code
+            low, high = a.warmup_target
+            if not 0 < low < high <= 1:
+                raise ValueError(
+                    f"algorithm.warmup_target=[{low}, {high}] must be a band [low, high] with 0 < low < high <= 1"
+                )
+            if not a.warmup_sft_steps:
+                raise ValueError(
+                    "algorithm.warmup_target needs algorithm.warmup_sft_steps > 0 (the cap on warm-up updates)"
+                )
+            if not (self.data.val and self.data.val_max_problems):
+                raise ValueError(
+                    "algorithm.warmup_target needs data.val and data.val_max_problems: the warm-up is measured on the "
+                    "data.val problems beyond the first data.val_max_problems (those are kept for validation)"
+                )
         return self
 
     @property

@@ -10,10 +10,16 @@ load a real checkpoint.
 
 from __future__ import annotations
 
+import json
+import logging
 import string
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
 
 from nemo_disco.config import TinyModelConfig
+
+log = logging.getLogger(__name__)
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<|im_start|>", "<|im_end|>", "<unk>"]
 CHAT_TEMPLATE = (
@@ -104,21 +110,128 @@ def build_model(tiny: TinyModelConfig, out_dir: str | Path, seed: int = 0) -> Pa
     return out
 
 
-def warm_up(model_dir: str | Path, problems: list, cfg) -> None:  # noqa: ANN001  (cfg: RunConfig)
+@dataclass(frozen=True)
+class WarmupResult:
+    """How a supervised warm-up ended (saved as ``warmup.json`` in the model folder).
+
+    Attributes:
+        steps: supervised updates made.
+        status: "fixed" (no target: exactly the configured updates), "in_band" (accuracy reached the target
+            band), "above_band" (it jumped past the band's top between two evaluations) or "cap_reached"
+            (still below the band after the most updates allowed).
+        accuracy: held-out greedy accuracy at the end (None without a target).
+        target: the band [low, high] (None without a target).
+        problems: held-out problems of each evaluation (0 without a target).
+        history: (updates, accuracy) of every evaluation.
+    """
+
+    steps: int
+    status: Literal["fixed", "in_band", "above_band", "cap_reached"]
+    accuracy: float | None = None
+    target: tuple[float, float] | None = None
+    problems: int = 0
+    history: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def message(self) -> str:
+        """One line for the log: what was reached, and what to change when the target was missed."""
+        if self.status == "fixed":
+            return f"warm-up: {self.steps} supervised updates (no accuracy target)"
+        low, high = self.target
+        head = (
+            f"warm-up: held-out greedy accuracy {self.accuracy:.3f} on {self.problems} problems after "
+            f"{self.steps} supervised updates"
+        )
+        if self.status == "in_band":
+            return f"{head} (target band {low:g}-{high:g})"
+        if self.status == "above_band":
+            return (
+                f"{head}: ABOVE the target band {low:g}-{high:g} (it jumped past the band between two evaluations); "
+                "RL starts from there. Lower algorithm.warmup_eval_every or algorithm.warmup_sft_lr"
+            )
+        return (
+            f"{head}: BELOW the target band {low:g}-{high:g} at the cap (algorithm.warmup_sft_steps="
+            f"{self.steps}); RL starts from there. Raise algorithm.warmup_sft_steps or algorithm.warmup_sft_lr"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The result as plain JSON types."""
+        return {
+            "steps": self.steps,
+            "status": self.status,
+            "accuracy": self.accuracy,
+            "target": list(self.target) if self.target else None,
+            "problems": self.problems,
+            "history": [list(h) for h in self.history],
+            "message": self.message,
+        }
+
+
+def warm_up(model_dir: str | Path, problems: list, cfg, eval_problems: list | None = None) -> WarmupResult:  # noqa: ANN001  (cfg: RunConfig)
     r"""Supervised warm-up of a tiny model on gold answers, in place (the CPU demo's starting point).
 
     A random tiny model never answers correctly, so every question would have p(q) = 0 and DisCO
-    (like GRPO) would get no signal. A few supervised updates on ``\\boxed{answer}`` targets bring
-    p(q) strictly between 0 and 1 on many questions; RL then has something to discriminate.
+    (like GRPO) would get no signal. Supervised updates on ``\boxed{answer}`` targets bring p(q) strictly
+    between 0 and 1 on many questions; RL then has something to discriminate.
+
+    How far the warm-up goes decides how much RL can add, and a fixed number of updates lands in different
+    places on different CPUs (floating-point rounding differs and compounds over hundreds of updates). So
+    with ``algorithm.warmup_target = [low, high]`` the warm-up runs to a measured point instead: every
+    ``algorithm.warmup_eval_every`` updates it decodes ``eval_problems`` greedily (batched, the transformers
+    generator), grades them with ``reward.grader`` and stops at the first evaluation whose accuracy is at
+    least ``low``; ``algorithm.warmup_sft_steps`` caps the updates. Missing the band (below it at the cap, or
+    above it after a jump) is logged as a warning naming the keys to change; the run goes on.
+
+    Args:
+        model_dir: the tiny model's HF folder (updated in place; ``warmup.json`` is written there).
+        problems: training problems (prompt + gold answer).
+        cfg: the run config (``algorithm.warmup_*``, ``data.prompt_template``, ``generation``, ``reward``).
+        eval_problems: held-out problems for the accuracy target (needed when ``algorithm.warmup_target`` is set).
+
+    Raises:
+        ValueError: a target without evaluation problems.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from nemo_disco.data import encode_prompts
-
     a = cfg.algorithm
+    if a.warmup_target is not None and not eval_problems:
+        raise ValueError("algorithm.warmup_target is set but the warm-up got no held-out problems to measure")
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    prompts, targets = _sft_examples(tok, problems, cfg)
+    gen = torch.Generator().manual_seed(a.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=a.warmup_sft_lr, weight_decay=0.0)
+    measure = _GreedyAccuracy(model_dir, tok, eval_problems, cfg) if a.warmup_target is not None else None
+    history: list[tuple[int, float]] = []
+    result = WarmupResult(steps=a.warmup_sft_steps, status="fixed")
+    try:
+        for step in range(1, a.warmup_sft_steps + 1):
+            model.train()
+            _sft_update(model, opt, tok, prompts, targets, gen)
+            if measure is None or (step % a.warmup_eval_every and step < a.warmup_sft_steps):
+                continue
+            acc = measure(model)
+            history.append((step, acc))
+            log.debug("warm-up: %d updates, held-out greedy accuracy %.3f", step, acc)
+            low, high = a.warmup_target
+            if acc >= low or step == a.warmup_sft_steps:
+                status = "cap_reached" if acc < low else "in_band" if acc <= high else "above_band"
+                result = WarmupResult(step, status, acc, a.warmup_target, len(measure.prompts), tuple(history))
+                break
+    finally:
+        if measure is not None:
+            measure.close()
+    model.save_pretrained(model_dir, safe_serialization=True)
+    (Path(model_dir) / "warmup.json").write_text(json.dumps(result.to_json(), indent=1) + "\n")
+    (log.info if result.status in ("fixed", "in_band") else log.warning)(result.message)
+    return result
+
+
+def _sft_examples(tok, problems: list, cfg) -> tuple[list[list[int]], list[list[int]]]:  # noqa: ANN001
+    r"""Prompt ids and target ids (``\boxed{answer}`` + EOS) of every problem whose prompt fits."""
+    from nemo_disco.data import encode_prompts
+
     prompts, kept, _ = encode_prompts(
         tok,
         problems,
@@ -129,23 +242,70 @@ def warm_up(model_dir: str | Path, problems: list, cfg) -> None:  # noqa: ANN001
     targets = [
         tok.encode(f"\\boxed{{{problems[i].answer}}}", add_special_tokens=False) + [tok.eos_token_id] for i in kept
     ]
-    gen = torch.Generator().manual_seed(a.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=a.warmup_sft_lr, weight_decay=0.0)
-    model.train()
+    return prompts, targets
+
+
+def _sft_update(model, opt, tok, prompts: list[list[int]], targets: list[list[int]], gen) -> None:  # noqa: ANN001
+    """One supervised update on 64 random examples (loss on the target tokens only)."""
+    import torch
+
     batch = 64
-    for _ in range(a.warmup_sft_steps):
-        idx = torch.randint(len(prompts), (batch,), generator=gen).tolist()
-        seqs = [prompts[i] + targets[i] for i in idx]
-        width = max(len(s) for s in seqs)
-        ids = torch.full((batch, width), tok.pad_token_id, dtype=torch.long)
-        labels = torch.full((batch, width), -100, dtype=torch.long)
-        attn = torch.zeros((batch, width), dtype=torch.long)
-        for row, (i, s) in enumerate(zip(idx, seqs, strict=True)):
-            ids[row, : len(s)] = torch.tensor(s)
-            attn[row, : len(s)] = 1
-            labels[row, len(prompts[i]) : len(s)] = torch.tensor(targets[i])
-        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    model.save_pretrained(model_dir, safe_serialization=True)
+    idx = torch.randint(len(prompts), (batch,), generator=gen).tolist()
+    seqs = [prompts[i] + targets[i] for i in idx]
+    width = max(len(s) for s in seqs)
+    ids = torch.full((batch, width), tok.pad_token_id, dtype=torch.long)
+    labels = torch.full((batch, width), -100, dtype=torch.long)
+    attn = torch.zeros((batch, width), dtype=torch.long)
+    for row, (i, s) in enumerate(zip(idx, seqs, strict=True)):
+        ids[row, : len(s)] = torch.tensor(s)
+        attn[row, : len(s)] = 1
+        labels[row, len(prompts[i]) : len(s)] = torch.tensor(targets[i])
+    loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+class _GreedyAccuracy:
+    """Greedy accuracy of a model on fixed problems: the transformers generator (batched) + the run's grader."""
+
+    def __init__(self, model_dir: str | Path, tok, problems: list, cfg) -> None:  # noqa: ANN001
+        from nemo_disco.data import encode_prompts
+        from nemo_disco.generation.base import SamplingParams
+        from nemo_disco.generation.hf import HFGenerator
+        from nemo_disco.rewards import GraderPool
+
+        self.prompts, kept, _ = encode_prompts(
+            tok,
+            problems,
+            template=cfg.data.prompt_template,
+            use_chat_template=cfg.data.use_chat_template,
+            max_prompt_tokens=cfg.generation.max_prompt_tokens,
+        )
+        self.truths = [problems[i].answer for i in kept]
+        self.tok = tok
+        stops = {tok.eos_token_id}
+        if "<|im_end|>" in tok.get_vocab():
+            stops.add(tok.convert_tokens_to_ids("<|im_end|>"))
+        self.sampling = SamplingParams(
+            temperature=0.0, max_tokens=cfg.generation.max_response_tokens, stop_token_ids=tuple(sorted(stops))
+        )
+        self.generator = HFGenerator(
+            model_dir, batch_size=cfg.generation.hf_batch_size, decode=cfg.generation.hf_decode
+        )
+        self.grader = GraderPool(cfg.reward.grader, timeout_s=cfg.reward.timeout_s, workers=cfg.reward.workers)
+
+    def __call__(self, model) -> float:  # noqa: ANN001
+        import torch
+
+        model.eval()
+        with torch.no_grad():
+            self.generator.update_weights(model.named_parameters())
+        rollouts = self.generator.generate(self.prompts, 1, self.sampling)
+        texts = [self.tok.decode(rs[0].token_ids, skip_special_tokens=True) for rs in rollouts]
+        scores, _ = self.grader.score(texts, self.truths)
+        return sum(scores) / len(scores)
+
+    def close(self) -> None:
+        self.grader.close()
+        self.generator.shutdown()

@@ -9,12 +9,14 @@ import subprocess
 from collections.abc import Sequence
 
 # recipes/tiny-cpu.yaml shrunk for tests: 8 questions x 4 rollouts per step, 2 updates per step, a short
-# warm-up, no validation, no progress bar or TensorBoard. Callers add steps and checkpoint settings.
+# warm-up (40 updates, no accuracy target), no validation, no progress bar or TensorBoard. Callers add steps
+# and checkpoint settings.
 FAST_TINY = [
     "algorithm.prompts_per_step=8",
     "algorithm.minibatch_prompts=4",
     "algorithm.rollouts_per_prompt=4",
     "algorithm.warmup_sft_steps=40",
+    "algorithm.warmup_target=null",
     "data.synthetic_size=200",
     "data.val=null",
     "data.val_every=0",

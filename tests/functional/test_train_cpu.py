@@ -202,3 +202,48 @@ def test_world_size_disagreeing_with_the_recipe_is_one_line(tmp_path):
     res = _train(tmp_path / "r", "cluster.gpus_per_node=2")
     assert res.returncode == 2
     assert res.stderr.strip().count("\n") == 0 and "cluster.nodes x cluster.gpus_per_node" in res.stderr
+
+
+def test_warm_up_to_a_target_then_the_summary_with_standard_errors(tmp_path):
+    """The demo's path at small sizes: warm-up until held-out greedy accuracy >= 0.2, per-problem validation at
+    steps 0 and 2, and the summary (before, after, paired gain with standard errors) in stdout and demo.json."""
+    from nemo_disco.stats import mean_se, paired_difference
+
+    run = tmp_path / "demo"
+    res = _train(
+        run,
+        "algorithm.steps=2",
+        "checkpoint.save_every=0",
+        "data.synthetic_size=2000",
+        "data.val=synthetic:arithmetic-heldout",
+        "data.val_every=2",
+        "data.val_max_problems=32",
+        "data.val_samples=4",
+        "algorithm.warmup_target=[0.2,1.0]",
+        "algorithm.warmup_sft_steps=1500",
+        "algorithm.warmup_eval_every=50",
+        "algorithm.warmup_eval_problems=64",
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    warmup = json.loads((run / "init_model" / "warmup.json").read_text())
+    assert warmup["status"] == "in_band" and warmup["accuracy"] >= 0.2 and warmup["problems"] == 64
+    assert warmup["steps"] < 1500 and warmup["steps"] % 50 == 0
+    assert warmup["message"] in res.stderr and warmup["message"] in res.stdout  # logged, then repeated at the end
+
+    vals = [json.loads(x) for x in (run / "validation.jsonl").read_text().splitlines()]
+    assert [v["step"] for v in vals] == [0, 2]
+    metrics = {r["step"]: r for r in _metrics(run)}
+    for v in vals:
+        assert len(v["per_problem"]) == 32 and all((4 * x).is_integer() and 0 <= x <= 1 for x in v["per_problem"])
+        mean, se = mean_se(v["per_problem"])
+        assert (v["pass@1"], v["pass@1_se"]) == (mean, se)
+        assert (metrics[v["step"]]["val/pass@1"], metrics[v["step"]]["val/pass@1_se"]) == (mean, se)
+    assert vals[0]["pass@1"] > 0  # the warm-up left questions with correct samples
+
+    demo = json.loads((run / "demo.json").read_text())
+    gain, gain_se = paired_difference(vals[1]["per_problem"], vals[0]["per_problem"])
+    assert demo["accuracy_before"] == vals[0]["pass@1"] and demo["accuracy_after"] == vals[1]["pass@1"]
+    assert (demo["gain"], demo["gain_se"]) == (gain, gain_se)
+    assert demo["problems"] == 32 and demo["samples"] == 4 and demo["warmup"] == warmup
+    assert f"before RL (step 0): {vals[0]['pass@1']:.3f} +- {vals[0]['pass@1_se']:.3f}" in res.stdout
+    assert "held-out pass@1 on 32 problems x 4 samples" in res.stdout

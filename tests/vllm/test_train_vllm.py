@@ -34,7 +34,8 @@ def test_three_steps_with_the_vllm_generator(tmp_path):
         "policy.tiny.hidden_size=128", "policy.tiny.num_attention_heads=2", "policy.tiny.num_key_value_heads=1",
         "policy.tiny.intermediate_size=256",
         "algorithm.steps=3", "algorithm.prompts_per_step=8", "algorithm.minibatch_prompts=4",
-        "algorithm.rollouts_per_prompt=4", "algorithm.warmup_sft_steps=20", "data.synthetic_size=200",
+        "algorithm.rollouts_per_prompt=4", "algorithm.warmup_sft_steps=20", "algorithm.warmup_target=null",
+        "data.synthetic_size=200",
         "data.val=null", "data.val_every=0", "logging.progress=false", "logging.tensorboard=false",
         "loss.rollout_correction=seq_tis",
     ]  # fmt: skip

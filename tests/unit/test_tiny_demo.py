@@ -1,0 +1,72 @@
+"""The demo's end-of-run summary: held-out pass@1 before and after RL, the paired gain, their standard errors."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from nemo_disco import cli, config
+
+RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny-cpu.yaml"
+# Per-problem pass@1 of 4 problems (4 samples each) at steps 0, 10 and 20.
+BEFORE = [0.0, 0.25, 0.5, 1.0]  # mean 1.75 / 4 = 0.4375
+MIDDLE = [0.0, 0.0, 0.0, 0.0]  # ignored: before is the first record, after the last
+AFTER = [0.5, 0.25, 1.0, 1.0]  # mean 2.75 / 4 = 0.6875
+
+
+def _run_dir(tmp_path: Path, warmup: dict | None) -> Path:
+    run = tmp_path / "run"
+    (run / "init_model").mkdir(parents=True)
+    vals = [(0, BEFORE), (10, MIDDLE), (20, AFTER)]
+    (run / "validation.jsonl").write_text("".join(json.dumps({"step": s, "per_problem": v}) + "\n" for s, v in vals))
+    metrics = [{"step": s, "val/pass@1": sum(v) / 4, "train/reward_mean": 0.5} for s, v in vals]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    if warmup is not None:
+        (run / "init_model" / "warmup.json").write_text(json.dumps(warmup))
+    return run
+
+
+def test_summary_hand_computed(tmp_path):
+    s = cli.validation_summary(_run_dir(tmp_path, None))
+    assert s["step_before"] == 0 and s["step_after"] == 20 and s["problems"] == 4
+    assert s["accuracy_before"] == 0.4375 and s["accuracy_after"] == 0.6875
+    # before: deviations -0.4375, -0.1875, 0.0625, 0.5625; squares sum 0.19140625 + 0.03515625 + 0.00390625
+    # + 0.31640625 = 0.546875; sample variance 0.546875 / 3; se = sqrt(variance / 4)
+    assert s["accuracy_before_se"] == pytest.approx(math.sqrt(0.546875 / 3 / 4))
+    # gain paired by problem: differences 0.5, 0, 0.5, 0 -> mean 0.25; variance 4 x 0.0625 / 3; se sqrt(var / 4)
+    assert s["gain"] == 0.25
+    assert s["gain_se"] == pytest.approx(math.sqrt(0.25 / 3 / 4))  # 0.1443
+    assert s["gain_se"] < math.hypot(s["accuracy_before_se"], s["accuracy_after_se"])  # pairing helps
+
+
+def test_no_validation_no_summary(tmp_path):
+    assert cli.validation_summary(tmp_path) is None
+
+
+def test_report_prints_the_gain_and_writes_demo_json(tmp_path, capsys):
+    warmup = {"status": "in_band", "steps": 600, "accuracy": 0.42, "message": "warm-up: held-out greedy accuracy 0.420"}
+    run = _run_dir(tmp_path, warmup)
+    cfg = config.load(RECIPE, [f"logging.run_dir={run}", "loss.name=grpo"])
+    cli._report(cfg)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == warmup["message"]
+    assert out[1] == "held-out pass@1 on 4 problems x 4 samples (+- one standard error):"
+    assert out[2] == "  before RL (step 0): 0.438 +- 0.213"  # se sqrt(0.546875 / 12) = 0.2135
+    # after: deviations -0.1875, -0.4375, 0.3125, 0.3125; squares sum 0.421875; se sqrt(0.421875 / 12) = 0.1875
+    assert out[3] == "  after RL (step 20): 0.688 +- 0.188"
+    assert out[4] == "  gain: +0.250 +- 0.144 (paired by problem: 1.7 standard errors)"  # 0.25 / 0.1443 = 1.73
+    assert out[5].startswith("curves: ") and (run / "curves.png").is_file()
+    demo = json.loads((run / "demo.json").read_text())
+    assert demo["accuracy_before"] == 0.4375 and demo["accuracy_after"] == 0.6875 and demo["gain"] == 0.25
+    assert demo["steps"] == 20 and demo["samples"] == 4 and demo["loss"] == "grpo" and demo["warmup"] == warmup
+
+
+def test_a_run_from_a_given_model_writes_no_demo_json(tmp_path, capsys):
+    run = _run_dir(tmp_path, None)
+    cfg = config.load(RECIPE, [f"logging.run_dir={run}", f"policy.model_path={tmp_path}"])
+    cli._report(cfg)
+    assert "gain: +0.250" in capsys.readouterr().out
+    assert not (run / "demo.json").exists()
