@@ -53,6 +53,7 @@ from nemo_disco import distributed
 from nemo_disco.config import ConfigError
 from nemo_disco.generation.base import Rollout, SamplingParams
 from nemo_disco.generation.hf import WeightSpec, trim_at_stop
+from nemo_disco.weights import checkpoint_shapes
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +158,9 @@ class VLLMGenerator:
         self.model_dir = Path(model_dir)
         with torch.device("meta"):  # names and shapes only: nothing is allocated
             meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(model_dir)))
-        self.spec = WeightSpec.of_model(meta, f"VLLMGenerator({self.model_dir})")
+        module = WeightSpec.of_model(meta, f"VLLMGenerator({self.model_dir})")
+        # vLLM loads checkpoint names: a MoE layer's experts one by one, not transformers' fused tensors.
+        self.spec = WeightSpec(checkpoint_shapes(module.required), checkpoint_shapes(module.optional), module.where)
         del meta
         self.bucket_bytes = refit_bucket_mb * 2**20
         self.tensor_parallel_size = tensor_parallel_size
