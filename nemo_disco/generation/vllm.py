@@ -91,16 +91,27 @@ def request_seed(seed: int, index: int) -> int:
 def _reload(worker: object, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Run inside the engine's worker: reload checkpoint-format weights in place, layer by layer.
 
-    A tied LM head receives no tensor (it is the embedding), so vLLM's reload leaves its GEMM kernel as it
-    was prepared from the OLD embedding (the CPU build packs a copy of the weight when weights are
-    processed); it is prepared again from the fresh embedding here (a no-op on CUDA).
+    Two kernels of the CPU build keep a packed copy that vLLM's reload does not redo:
+
+    - a tied LM head receives no tensor (it is the embedding), so its GEMM kernel stays as it was prepared
+      from the OLD embedding; it is prepared again from the fresh embedding here (a no-op on CUDA);
+    - a MoE layer's experts are packed into the CPU grouped-GEMM layout only when the kernel is first set up
+      (vLLM treats later loads as weight updates and skips it), so after a refit the kernel would read the
+      new, unpacked weights as packed ones; the CPU build packs them again here.
     """
+    from vllm.platforms import current_platform
+
     runner = worker.model_runner  # type: ignore[attr-defined]
     runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
     model = runner.get_model()
     config = getattr(model, "config", None)
     if getattr(config, "tie_word_embeddings", False) and hasattr(model, "lm_head"):
         model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
+    if current_platform.is_cpu():
+        for module in model.modules():
+            kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+            if kernel is not None:
+                kernel.fused_experts.process_weights_after_loading(module)
 
 
 class VLLMGenerator:
