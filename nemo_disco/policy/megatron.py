@@ -14,6 +14,14 @@ Layout and parallelism:
     extension modules import (:func:`fusion_flags`); TE does not provide them, and mcore would raise.
   - Every sequence is laid out from position 0 (prompt then response, padding after it), as the generator
     sees it, so positions and RoPE angles match Hugging Face's forward exactly.
+  - Families: Qwen2 / Qwen2.5, Llama 3.x, Qwen3 (q / k norms, head_dim from the config) and Qwen3-MoE
+    (``nemo_disco.weights``). MoE layers split their experts over ``policy.expert_parallel_size`` ranks of a
+    pipeline stage (expert tensor parallelism 1; the all-to-all token dispatcher, which runs on CPU with gloo
+    too) and run sequence parallel at TP > 1 (mcore requires it; the sequence is padded to a multiple of TP).
+    The ranks of an expert-parallel group run as many micro-batches each (fillers are added, their output
+    discarded). The router is frozen by default (``policy.freeze_router``, as NeMo-RL); its load-balancing
+    loss is measured every update and added to the objective only with ``policy.router_aux_loss_coef`` > 0
+    (:class:`RouterBalance`), so by default the gradient is exactly that of the surrogate below.
 
 Gradient exactness (the surrogate carries global normalisation, see ``nemo_disco.policy.base``):
   - ``calculate_per_token_loss=True`` and a loss function returning ``(loss, num_tokens, ...)``: the pipeline
@@ -1317,12 +1325,13 @@ class MegatronPolicy:
             self._move_optimizer(torch.device("cpu"))
             self._offloaded.add("optimizer")
         if weights and "weights" not in self._offloaded:
-            buffers = self.model.buffers if self.trainable else []
+            buffers = self._param_buffers()
             for buffer in buffers:
                 if buffer.param_data is not None:
                     buffer.offload_to_cpu(move_params=True, move_grads=False)
-            if not any(buffer.param_data is not None for buffer in buffers):
-                for p in self.gpt.parameters():
+            in_buffers = any(buffer.param_data is not None for buffer in buffers)
+            for p in self.gpt.parameters():
+                if not in_buffers or not p.requires_grad:  # a frozen router is in no buffer
                     p.data = p.data.to("cpu", non_blocking=True)
             self._offloaded.add("weights")
         torch.cuda.synchronize()
@@ -1333,18 +1342,25 @@ class MegatronPolicy:
         if not self.on_gpu or not self._offloaded:
             return
         if "weights" in self._offloaded:
-            buffers = self.model.buffers if self.trainable else []
+            buffers = self._param_buffers()
             for buffer in buffers:
                 if buffer.param_data is not None:
                     buffer.reload_from_cpu(move_params=True, move_grads=False)
-            if not any(buffer.param_data is not None for buffer in buffers):
-                for p in self.gpt.parameters():
+            in_buffers = any(buffer.param_data is not None for buffer in buffers)
+            for p in self.gpt.parameters():
+                if not in_buffers or not p.requires_grad:
                     p.data = p.data.to(self.device, non_blocking=True)
         if "optimizer" in self._offloaded:
             self.model.restore_grad_buffers(synchronize=False)
             self._move_optimizer(self.device)
         torch.cuda.synchronize()
         self._offloaded.clear()
+
+    def _param_buffers(self) -> list[Any]:
+        """Megatron DDP's parameter / gradient buffers: the dense ones and, for MoE, the experts' own."""
+        if not self.trainable:
+            return []
+        return list(self.model.buffers) + list(getattr(self.model, "expert_parallel_buffers", []))
 
     def _move_optimizer(self, device: torch.device) -> None:
         """Adam moments and, for bf16 / fp16 weights, the fp32 master copies (float32 masters ARE the weights)."""
