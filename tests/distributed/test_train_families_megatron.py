@@ -73,9 +73,10 @@ def test_three_disco_steps_with_the_megatron_policy(family, tmp_path):
         # fp32 transformers generator and fp32 Megatron policy on the same weights: rounding only.
         assert r["mismatch/max_abs_logprob_diff"] < 1e-3
     assert any(r["train/zero_variance_share"] < 1 and r["train/grad_norm"] > 0 for r in records), "no signal"
-    from nemo_disco.convert import megatron_to_hf
-
-    megatron_to_hf(run / "checkpoints" / "step_3", tmp_path / "hf")
+    # The CLI converts in a process of its own (in this one it would leave a process group behind).
+    cmd = [sys.executable, "-m", "nemo_disco.cli", "convert", "--checkpoint", str(run / "checkpoints" / "step_3")]
+    converted = run_group([*cmd, "--out", str(tmp_path / "hf")], cwd=ROOT, env={**os.environ, **THREADS}, timeout=300)
+    assert converted.returncode == 0, converted.stderr[-3000:]
     init, final = _weights(run / "init_model"), _weights(tmp_path / "hf")
     assert set(final) == set(init) - ({"lm_head.weight"} if "lm_head.weight" not in final else set())
     changed = {k for k in final if not torch.equal(init[k], final[k])}
