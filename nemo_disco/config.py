@@ -31,25 +31,36 @@ class _Section(BaseModel):
 class TinyModelConfig(_Section):
     """A randomly initialised model built in code (CPU demo and tests; nothing from a hub)."""
 
-    architecture: Literal["qwen2", "llama"] = "qwen2"
+    architecture: Literal["qwen2", "llama", "qwen3", "qwen3_moe"] = "qwen2"
     num_layers: int = Field(2, ge=1)
     hidden_size: int = Field(64, ge=8)
     num_attention_heads: int = Field(4, ge=1)
     num_key_value_heads: int = Field(2, ge=1)
+    # Per-head width; null = hidden_size / num_attention_heads (Qwen3 sets it independently).
+    head_dim: int | None = Field(None, ge=1)
     intermediate_size: int = Field(128, ge=8)
     max_position_embeddings: int = Field(512, ge=16)
     tie_word_embeddings: bool = True
+    # qwen3_moe only: routed experts per layer, experts per token, each expert's MLP width.
+    num_experts: int = Field(4, ge=1)
+    num_experts_per_tok: int = Field(2, ge=1)
+    moe_intermediate_size: int = Field(64, ge=8)
 
     @model_validator(mode="after")
     def _heads(self) -> TinyModelConfig:
-        if self.hidden_size % self.num_attention_heads:
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size={self.hidden_size} must be divisible by num_attention_heads={self.num_attention_heads}"
+                " (or set head_dim)"
             )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} must be divisible by "
                 f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok={self.num_experts_per_tok} must not exceed num_experts={self.num_experts}"
             )
         return self
 
@@ -64,6 +75,16 @@ class PolicyConfig(_Section):
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     tensor_parallel_size: int = Field(1, ge=1)
     pipeline_parallel_size: int = Field(1, ge=1)
+    # Mixture-of-experts models: experts split over this many of a pipeline stage's ranks (expert tensor
+    # parallelism 1); must divide the number of experts and world / pipeline_parallel_size.
+    expert_parallel_size: int = Field(1, ge=1)
+    # MoE router weights frozen during RL (NeMo-RL's freeze_moe_router default); false trains them.
+    freeze_router: bool = True
+    # Weight of the router's load-balancing loss in the objective (0 = off, NeMo-RL's default); the loss is
+    # reported either way (train/router_balance_loss).
+    router_aux_loss_coef: float = Field(0.0, ge=0)
+    # Precision of the router's logits and softmax in the Megatron MoE layer (NeMo-RL: fp64).
+    router_dtype: Literal["float32", "float64"] = "float64"
     activation_checkpointing: bool = False
     # Tokens per micro-batch in the backward pass (pass 2); any value gives the same gradient.
     microbatch_tokens: int = Field(16384, ge=1)
@@ -102,8 +123,8 @@ class GenerationConfig(_Section):
     refit_bucket_mb: int = Field(512, ge=1)
     # Generator batch for the transformers backend (sequences decoded together).
     hf_batch_size: int = Field(64, ge=1)
-    # Transformers backend decoding: "auto" = the KV-cached loop (generation/kv_decode.py) for Qwen2 / Llama,
-    # transformers' generate() otherwise; "generate" = always generate().
+    # Transformers backend decoding: "auto" = the KV-cached loop (generation/kv_decode.py) for Qwen2 / Llama /
+    # Qwen3 / Qwen3-MoE, transformers' generate() otherwise; "generate" = always generate().
     hf_decode: Literal["auto", "generate"] = "auto"
 
 
@@ -115,6 +136,8 @@ class DataConfig(_Section):
     split: str = "train"
     prompt_template: str = "{problem} Let's think step by step and output the final answer within \\boxed{{}}."
     use_chat_template: bool = True
+    # Extra variables for the chat template, e.g. {enable_thinking: true} for Qwen3's thinking mode.
+    chat_template_kwargs: dict[str, bool | int | float | str] = {}
     on_bad_row: Literal["error", "skip"] = "error"
     shuffle: bool = True
     seed: int = 42
@@ -264,6 +287,12 @@ class RunConfig(_Section):
                 "(the transformers generator runs one engine per process)"
             )
         data_parallel = world // model_parallel
+        stage_ranks = world // p.pipeline_parallel_size
+        if stage_ranks % p.expert_parallel_size:
+            raise ValueError(
+                f"policy.expert_parallel_size={p.expert_parallel_size} must divide the ranks of a pipeline stage, "
+                f"cluster world {world} / policy.pipeline_parallel_size {p.pipeline_parallel_size} = {stage_ranks}"
+            )
         rollouts = a.minibatch_prompts * a.rollouts_per_prompt
         if rollouts % data_parallel:
             raise ValueError(
@@ -327,14 +356,22 @@ def _known_keys(model: type[BaseModel], prefix: str = "") -> dict[str, type[Base
     return keys
 
 
+def _leaf_is_mapping(model: type[BaseModel], path: list[str]) -> bool:
+    for name in path[:-1]:
+        model = model.model_fields[name].annotation  # type: ignore[assignment]
+    return getattr(model.model_fields[path[-1]].annotation, "__origin__", None) is dict
+
+
 _KEYS = _known_keys(RunConfig)
+# Leaves holding a mapping (data.chat_template_kwargs): overrides may set their entries (key.entry=value).
+_MAPPING_KEYS = {k for k, sec in _KEYS.items() if sec is None and _leaf_is_mapping(RunConfig, k.split("."))}
 
 
 def _check_override_key(override: str) -> None:
     if "=" not in override:
         raise ConfigError(f"override {override!r} is not of the form key=value")
     key = override.split("=", 1)[0].lstrip("+~")
-    if key in _KEYS:
+    if key in _KEYS or key.rpartition(".")[0] in _MAPPING_KEYS:
         return
     parent, _, leaf = key.rpartition(".")
     siblings = [k.rpartition(".")[2] for k in _KEYS if k.rpartition(".")[0] == parent]

@@ -9,6 +9,8 @@
   ``generation_config.json`` that ``transformers`` loads. Runs in one process (or collectively, every rank
   holding the full model at TP = PP = 1; rank 0 writes).
 
+Every family of ``nemo_disco.weights`` converts (a MoE model with all its experts on each rank: expert
+parallelism 1; the checkpoint stores experts globally, so it loads at any ``policy.expert_parallel_size``).
 Both build the local layer spec whatever the machine: conversion moves weights only, and a checkpoint of
 either spec loads into a model of either (``megatron.load_model_checkpoint``), so the result does not depend
 on whether Transformer Engine happens to import where the conversion runs (``slurm/convert.sbatch`` has no GPU).
@@ -63,7 +65,7 @@ def hf_to_megatron(
     spec = weights.ModelSpec.from_dir(hf_dir)
     dtype = dtype or _hf_dtype(json.loads((hf_dir / "config.json").read_text()))
     cpu_compat.apply()
-    mp.init_parallel(tp, pp)
+    mp.init_parallel(tp, pp, ep=1 if spec.is_moe else None)
     padded = weights.padded_vocab_size(spec.vocab_size, tp, vocab_multiple)
     config = mp.transformer_config(spec, tp=tp, pp=pp, dtype=mp._DTYPES[dtype], use_te=False, recompute=False)
     model = mp.build_gpt_model(spec, config, padded, use_te=False)
@@ -122,7 +124,7 @@ def megatron_to_hf(checkpoint_dir: str | Path, out_dir: str | Path, config: RunC
     spec = weights.ModelSpec.from_dir(policy_dir)
     dtype = mp._DTYPES[meta["dtype"]]
     cpu_compat.apply()
-    mp.init_parallel(1, 1)
+    mp.init_parallel(1, 1, ep=1 if spec.is_moe else None)
     tf_config = mp.transformer_config(spec, tp=1, pp=1, dtype=dtype, use_te=False, recompute=False)
     model = mp.build_gpt_model(spec, tf_config, int(meta["padded_vocab_size"]), use_te=False)
     mp.load_model_checkpoint(model, policy_dir / "model")

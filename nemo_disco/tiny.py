@@ -3,9 +3,9 @@
 The tokenizer is character-level (every printable ASCII character is a token, spelled in the GPT-2
 byte-level alphabet so that transformers' Qwen2 tokenizer class, which it picks from the model type,
 reads it the same way) with ChatML special tokens and a chat template, saved as a regular
-``PreTrainedTokenizerFast`` folder; the model is a randomly initialised Qwen2 or Llama saved as a regular
-Hugging Face folder (config.json + model.safetensors), so every backend loads it exactly as it would
-load a real checkpoint.
+``PreTrainedTokenizerFast`` folder; the model is a randomly initialised Qwen2, Llama, Qwen3 or Qwen3-MoE
+saved as a regular Hugging Face folder (config.json + model.safetensors), so every backend loads it exactly
+as it would load a real checkpoint.
 """
 
 from __future__ import annotations
@@ -73,10 +73,23 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 def hf_config(tiny: TinyModelConfig, vocab_size: int = VOCAB_SIZE, eos_token_id: int = 1, pad_token_id: int = 0):  # noqa: ANN201
     """The transformers config of a tiny model."""
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
-    cls = Qwen2Config if tiny.architecture == "qwen2" else LlamaConfig
-    return cls(
+    classes = {"qwen2": Qwen2Config, "llama": LlamaConfig, "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig}
+    extra: dict = {}
+    if tiny.head_dim is not None:
+        extra["head_dim"] = tiny.head_dim
+    if tiny.architecture == "qwen3_moe":
+        # Every layer sparse, top-k probabilities renormalised: the Qwen3-30B-A3B layout.
+        extra.update(
+            num_experts=tiny.num_experts,
+            num_experts_per_tok=tiny.num_experts_per_tok,
+            moe_intermediate_size=tiny.moe_intermediate_size,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
+    return classes[tiny.architecture](
         vocab_size=vocab_size,
         hidden_size=tiny.hidden_size,
         intermediate_size=tiny.intermediate_size,
@@ -91,17 +104,24 @@ def hf_config(tiny: TinyModelConfig, vocab_size: int = VOCAB_SIZE, eos_token_id:
         pad_token_id=pad_token_id,
         bos_token_id=None,
         dtype="float32",
+        **extra,
     )
 
 
-def build_model(tiny: TinyModelConfig, out_dir: str | Path, seed: int = 0) -> Path:
-    """Build a random tiny model + tokenizer and save both into ``out_dir`` (an HF folder)."""
+def build_model(tiny: TinyModelConfig, out_dir: str | Path, seed: int = 0, hf_overrides: dict | None = None) -> Path:
+    """Build a random tiny model + tokenizer and save both into ``out_dir`` (an HF folder).
+
+    ``hf_overrides`` sets further attributes of the transformers config before the model is built (tests give
+    a tiny model a real family's settings, e.g. Llama 3.1's rope scaling).
+    """
     import torch
     from transformers import AutoModelForCausalLM
 
     out = Path(out_dir)
     tok = build_tokenizer(out)
     config = hf_config(tiny, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    for key, value in (hf_overrides or {}).items():
+        setattr(config, key, value)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config.eos_token_id = tok.eos_token_id

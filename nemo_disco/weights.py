@@ -1,25 +1,39 @@
-"""Hugging Face <-> Megatron-Core GPTModel weight maps (Qwen2, Llama) and streaming export.
+"""Hugging Face <-> Megatron-Core GPTModel weight maps and streaming export.
 
-The map is the project's own: Megatron-Bridge, which provides such maps upstream, needs Python >= 3.12 and
-GPU-only dependencies (transformer-engine and friends), while the CPU stack runs Python 3.11 and
+Families: Qwen2 / Qwen2.5 (``qwen2``), Llama 3.x (``llama``), Qwen3 dense (``qwen3``) and Qwen3-MoE
+(``qwen3_moe``). The map is the project's own: Megatron-Bridge, which provides such maps upstream, needs
+Python >= 3.12, megatron-core >= 0.19 and GPU-only dependencies, while the CPU stack runs Python 3.11 and
 megatron-core 0.16.1.
 
 One table per architecture lists, for every tensor, its Hugging Face name(s), its Megatron-Core name(s)
-(the local layer spec's name first, then the Transformer Engine spec's fused-norm name) and its kind:
+(the local layer spec's name first, then the Transformer Engine spec's), its kind and its HF shape(s):
 
-- ``replicated``: the same full tensor on every tensor-parallel (TP) rank (norms);
+- ``replicated``: the same full tensor on every tensor-parallel (TP) rank (norms, Qwen3's per-head q / k
+  norms, the MoE router);
 - ``row``: row-parallel linear, split along the input dim (dim 1): ``o_proj``, ``down_proj``;
 - ``vocab``: embedding / output layer, rows padded to the padded vocabulary then split along dim 0;
 - ``qkv``: ``q_proj``, ``k_proj``, ``v_proj`` fused into ``linear_qkv`` with the layout mcore splits at run
   time: for each of the ``ng`` query groups, ``[q heads of group g (nh / ng of them), k_g, v_g]``; the fused
-  rows are then split contiguously over TP (weights and biases alike);
+  rows are then split contiguously over TP (weights and biases alike). ``head_dim`` is read from the config
+  and need not be ``hidden / heads`` (Qwen3-4B: hidden 2560, 32 heads of 128);
 - ``gate_up``: SwiGLU ``gate_proj`` and ``up_proj`` fused into ``linear_fc1``; TP rank r holds
   ``[gate_r; up_r]`` (mcore's GLU chunks the *local* output in two halves), not a slice of ``[gate; up]``.
+
+Mixture of experts (Qwen3-MoE): the router (``mlp.gate``, [E, h]) is replicated; each expert's gate / up /
+down is a ``gate_up`` / ``row`` entry of its own, named with ``{expert}``. Experts are split over the
+expert-parallel (EP) ranks: EP rank r holds global experts ``r * E / EP ...`` as its local experts
+``0 ... E / EP - 1`` (local spec ``mlp.experts.local_experts.{j}.linear_fc1.weight``, Transformer Engine
+grouped GEMM ``mlp.experts.linear_fc1.weight{j}``). Expert tensor parallelism is 1 (NeMo-RL's default): an
+expert is never split over TP ranks, so expert entries are sharded with TP size 1.
 
 Layers are split evenly over pipeline-parallel (PP) stages: global layer ``i`` lives on stage
 ``i // (L / PP)`` as local layer ``i % (L / PP)``. The embedding is on the first stage, the final norm and the
 output layer on the last one; with tied embeddings and PP > 1 the last stage also holds a copy of the
 embedding as ``output_layer.weight`` (mcore keeps the two in sync), which export skips.
+
+HF names are checkpoint names: those of the safetensors files, the hub and vLLM. transformers >= 5 keeps a
+MoE layer's experts fused in memory (``mlp.experts.gate_up_proj`` [E, 2I, h], ``mlp.experts.down_proj``
+[E, h, I]); :func:`to_checkpoint_layout` and :func:`to_module_layout` translate between the two.
 
 Adding an architecture is adding a table to :data:`TABLES` (and, if its config differs, a branch in
 :meth:`ModelSpec.from_hf_config`).
@@ -29,7 +43,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +57,17 @@ REPLICATED, ROW, VOCAB, QKV, GATE_UP = "replicated", "row", "vocab", "qkv", "gat
 
 #: Megatron's default ``make_vocab_size_divisible_by``.
 DEFAULT_VOCAB_MULTIPLE = 128
+
+#: Well-known model types that need what the Megatron model here does not build, and why.
+UNSUPPORTED_MODEL_TYPES = {
+    "qwen3_next": "linear attention (Gated DeltaNet layers)",
+    "qwen2_moe": "shared experts",
+    "gpt_oss": "attention sinks and sliding-window layers",
+    "gemma2": "sliding-window layers and logit soft-capping",
+    "gemma3_text": "sliding-window layers",
+    "mistral": "sliding-window attention",
+    "deepseek_v3": "multi-latent attention",
+}
 
 
 @dataclass(frozen=True)
@@ -62,22 +88,42 @@ class ModelSpec:
     rope_theta: float
     max_position_embeddings: int
     rope_scaling_factor: float | None = None
+    #: Qwen3: RMSNorm over each query / key head before RoPE.
+    qk_layernorm: bool = False
+    #: Routed experts per MoE layer; 0 for a dense model.
+    num_experts: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_router_topk: int = 0
+    #: Renormalise the top-k routing probabilities to sum to 1 (Qwen3-MoE: true).
+    norm_topk_prob: bool = False
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the MLPs are mixtures of experts."""
+        return self.num_experts > 0
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any], source: str = "config.json") -> ModelSpec:
-        """Parse a Hugging Face config dict (Qwen2 or Llama).
+        """Parse a Hugging Face config dict (Qwen2 / Qwen2.5, Llama 3.x, Qwen3, Qwen3-MoE).
 
         Raises:
-            ValueError: an unsupported architecture or feature, naming ``source`` and the key.
+            ValueError: an unsupported architecture or feature, one line naming ``source`` and the key.
         """
         arch = config.get("model_type")
         if arch not in TABLES:
-            raise ValueError(f"{source}: model_type={arch!r} is not supported (supported: {sorted(TABLES)})")
+            why = f" ({UNSUPPORTED_MODEL_TYPES[arch]})" if arch in UNSUPPORTED_MODEL_TYPES else ""
+            raise ValueError(f"{source}: model_type={arch!r} is not supported{why}; supported: {sorted(TABLES)}")
         if config.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{source}: hidden_act={config['hidden_act']!r} is not supported (only silu)")
         for key in ("attention_bias", "mlp_bias", "use_sliding_window"):
             if config.get(key):
                 raise ValueError(f"{source}: {key}=true is not supported")
+        other = sorted({t for t in config.get("layer_types") or () if t != "full_attention"})
+        if other:
+            raise ValueError(
+                f"{source}: layer_types has {other} layers; only full_attention is supported "
+                "(no sliding-window or linear attention)"
+            )
         rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
         theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -94,6 +140,9 @@ class ModelSpec:
         heads = int(config["num_attention_heads"])
         groups = int(config.get("num_key_value_heads") or heads)
         hidden = int(config["hidden_size"])
+        moe: dict[str, Any] = {}
+        if arch == "qwen3_moe":
+            moe = cls._moe_fields(config, source)
         return cls(
             architecture=arch,
             num_layers=int(config["num_hidden_layers"]),
@@ -109,7 +158,33 @@ class ModelSpec:
             rope_theta=theta,
             max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
             rope_scaling_factor=factor,
+            qk_layernorm=arch in ("qwen3", "qwen3_moe"),
+            **moe,
         )
+
+    @staticmethod
+    def _moe_fields(config: Mapping[str, Any], source: str) -> dict[str, Any]:
+        """Qwen3-MoE: every layer sparse, no shared experts (anything else fails naming its key)."""
+        if int(config.get("decoder_sparse_step", 1)) != 1:
+            raise ValueError(
+                f"{source}: decoder_sparse_step={config['decoder_sparse_step']} is not supported (every layer MoE: 1)"
+            )
+        if config.get("mlp_only_layers"):
+            raise ValueError(
+                f"{source}: mlp_only_layers={list(config['mlp_only_layers'])} is not supported (every layer MoE)"
+            )
+        if config.get("shared_expert_intermediate_size"):
+            raise ValueError(f"{source}: shared_expert_intermediate_size is set; shared experts are not supported")
+        # The hub's config.json says num_experts; transformers >= 5 saves num_local_experts.
+        experts = config.get("num_experts") or config.get("num_local_experts")
+        if not experts:
+            raise ValueError(f"{source}: model_type=qwen3_moe without num_experts")
+        return {
+            "num_experts": int(experts),
+            "moe_ffn_hidden_size": int(config["moe_intermediate_size"]),
+            "moe_router_topk": int(config["num_experts_per_tok"]),
+            "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
+        }
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelSpec:
@@ -132,11 +207,16 @@ def padded_vocab_size(vocab_size: int, tp_size: int, multiple: int = DEFAULT_VOC
 
 @dataclass(frozen=True)
 class Entry:
-    """One row of a weight table; ``{layer}`` in a name is the (global HF / local mcore) layer index."""
+    """One row of a weight table.
+
+    ``{layer}`` in a name is the (global HF / local mcore) layer index, ``{expert}`` the (global HF / local
+    mcore) expert index. ``dims`` names each HF tensor's dimensions (see :func:`hf_shapes`).
+    """
 
     hf: tuple[str, ...]
     mcore: tuple[str, ...]
     kind: str
+    dims: tuple[tuple[str, ...], ...]
     #: Owning pipeline stage of a non-layer entry: "first" or "last".
     stage: str = "last"
     #: Only present when the embeddings are not tied (the output layer).
@@ -147,50 +227,84 @@ class Entry:
         """Whether the entry repeats for every decoder layer."""
         return "{layer}" in self.hf[0]
 
+    @property
+    def per_expert(self) -> bool:
+        """Whether the entry repeats for every expert of a MoE layer (split over expert-parallel ranks)."""
+        return "{expert}" in self.hf[0]
+
 
 _H = "model.layers.{layer}."
 _M = "decoder.layers.{layer}."
-_EMBED = Entry(("model.embed_tokens.weight",), ("embedding.word_embeddings.weight",), VOCAB, stage="first")
+_HIDDEN = ("hidden",)
+_EMBED = Entry(
+    ("model.embed_tokens.weight",), ("embedding.word_embeddings.weight",), VOCAB, (("vocab", "hidden"),), "first"
+)
 _INPUT_NORM = Entry(
     (_H + "input_layernorm.weight",),
     (_M + "input_layernorm.weight", _M + "self_attention.linear_qkv.layer_norm_weight"),
     REPLICATED,
+    (_HIDDEN,),
 )
 _QKV = Entry(
     (_H + "self_attn.q_proj.weight", _H + "self_attn.k_proj.weight", _H + "self_attn.v_proj.weight"),
     (_M + "self_attention.linear_qkv.weight",),
     QKV,
+    (("q", "hidden"), ("kv", "hidden"), ("kv", "hidden")),
 )
 _QKV_BIAS = Entry(
     (_H + "self_attn.q_proj.bias", _H + "self_attn.k_proj.bias", _H + "self_attn.v_proj.bias"),
     (_M + "self_attention.linear_qkv.bias",),
     QKV,
+    (("q",), ("kv",), ("kv",)),
 )
-_O = Entry((_H + "self_attn.o_proj.weight",), (_M + "self_attention.linear_proj.weight",), ROW)
+_Q_NORM = Entry(
+    (_H + "self_attn.q_norm.weight",), (_M + "self_attention.q_layernorm.weight",), REPLICATED, (("head_dim",),)
+)
+_K_NORM = Entry(
+    (_H + "self_attn.k_norm.weight",), (_M + "self_attention.k_layernorm.weight",), REPLICATED, (("head_dim",),)
+)
+_O = Entry((_H + "self_attn.o_proj.weight",), (_M + "self_attention.linear_proj.weight",), ROW, (("hidden", "q"),))
 _POST_NORM = Entry(
     (_H + "post_attention_layernorm.weight",),
     (_M + "pre_mlp_layernorm.weight", _M + "mlp.linear_fc1.layer_norm_weight"),
     REPLICATED,
+    (_HIDDEN,),
 )
-_GATE_UP = Entry((_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"), (_M + "mlp.linear_fc1.weight",), GATE_UP)
-_DOWN = Entry((_H + "mlp.down_proj.weight",), (_M + "mlp.linear_fc2.weight",), ROW)
-_FINAL_NORM = Entry(("model.norm.weight",), ("decoder.final_layernorm.weight",), REPLICATED)
-_LM_HEAD = Entry(("lm_head.weight",), ("output_layer.weight",), VOCAB, untied_only=True)
+_GATE_UP = Entry(
+    (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"),
+    (_M + "mlp.linear_fc1.weight",),
+    GATE_UP,
+    (("ffn", "hidden"), ("ffn", "hidden")),
+)
+_DOWN = Entry((_H + "mlp.down_proj.weight",), (_M + "mlp.linear_fc2.weight",), ROW, (("hidden", "ffn"),))
+_ROUTER = Entry((_H + "mlp.gate.weight",), (_M + "mlp.router.weight",), REPLICATED, (("experts", "hidden"),))
+_EXPERT = "mlp.experts.{expert}."
+_EXPERT_GATE_UP = Entry(
+    (_H + _EXPERT + "gate_proj.weight", _H + _EXPERT + "up_proj.weight"),
+    (_M + "mlp.experts.local_experts.{expert}.linear_fc1.weight", _M + "mlp.experts.linear_fc1.weight{expert}"),
+    GATE_UP,
+    (("moe_ffn", "hidden"), ("moe_ffn", "hidden")),
+)
+_EXPERT_DOWN = Entry(
+    (_H + _EXPERT + "down_proj.weight",),
+    (_M + "mlp.experts.local_experts.{expert}.linear_fc2.weight", _M + "mlp.experts.linear_fc2.weight{expert}"),
+    ROW,
+    (("hidden", "moe_ffn"),),
+)
+_FINAL_NORM = Entry(("model.norm.weight",), ("decoder.final_layernorm.weight",), REPLICATED, (_HIDDEN,))
+_LM_HEAD = Entry(("lm_head.weight",), ("output_layer.weight",), VOCAB, (("vocab", "hidden"),), untied_only=True)
 
-QWEN2: tuple[Entry, ...] = (
-    _EMBED,
-    _INPUT_NORM,
-    _QKV,
-    _QKV_BIAS,
-    _O,
-    _POST_NORM,
-    _GATE_UP,
-    _DOWN,
-    _FINAL_NORM,
+_ATTENTION = (_INPUT_NORM, _QKV)
+QWEN2: tuple[Entry, ...] = (_EMBED, *_ATTENTION, _QKV_BIAS, _O, _POST_NORM, _GATE_UP, _DOWN, _FINAL_NORM, _LM_HEAD)
+LLAMA: tuple[Entry, ...] = (_EMBED, *_ATTENTION, _O, _POST_NORM, _GATE_UP, _DOWN, _FINAL_NORM, _LM_HEAD)
+QWEN3: tuple[Entry, ...] = (
+    _EMBED, *_ATTENTION, _Q_NORM, _K_NORM, _O, _POST_NORM, _GATE_UP, _DOWN, _FINAL_NORM, _LM_HEAD,
+)  # fmt: skip
+QWEN3_MOE: tuple[Entry, ...] = (
+    _EMBED, *_ATTENTION, _Q_NORM, _K_NORM, _O, _POST_NORM, _ROUTER, _EXPERT_GATE_UP, _EXPERT_DOWN, _FINAL_NORM,
     _LM_HEAD,
-)
-LLAMA: tuple[Entry, ...] = (_EMBED, _INPUT_NORM, _QKV, _O, _POST_NORM, _GATE_UP, _DOWN, _FINAL_NORM, _LM_HEAD)
-TABLES: dict[str, tuple[Entry, ...]] = {"qwen2": QWEN2, "llama": LLAMA}
+)  # fmt: skip
+TABLES: dict[str, tuple[Entry, ...]] = {"qwen2": QWEN2, "llama": LLAMA, "qwen3": QWEN3, "qwen3_moe": QWEN3_MOE}
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -256,21 +370,19 @@ def from_shards(kind: str, shards: Sequence[torch.Tensor], spec: ModelSpec) -> l
 
 
 def hf_shapes(entry: Entry, spec: ModelSpec) -> list[tuple[int, ...]]:
-    """Full HF shapes of an entry's tensors."""
-    h, hd = spec.hidden_size, spec.head_dim
-    q_rows, kv_rows = spec.num_attention_heads * hd, spec.num_query_groups * hd
-    if entry.kind == VOCAB:
-        return [(spec.vocab_size, h)]
-    if entry.kind == REPLICATED:
-        return [(h,)]
-    if entry.kind == ROW:
-        return [(h, q_rows)] if "o_proj" in entry.hf[0] else [(h, spec.ffn_hidden_size)]
-    if entry.kind == QKV:
-        tail = (h,) if entry.hf[0].endswith("weight") else ()
-        return [(q_rows, *tail), (kv_rows, *tail), (kv_rows, *tail)]
-    if entry.kind == GATE_UP:
-        return [(spec.ffn_hidden_size, h)] * 2
-    raise ValueError(f"unknown weight kind {entry.kind!r}")
+    """Full HF shapes of an entry's tensors (one expert's, for an expert entry)."""
+    hd = spec.head_dim
+    size = {
+        "vocab": spec.vocab_size,
+        "hidden": spec.hidden_size,
+        "q": spec.num_attention_heads * hd,
+        "kv": spec.num_query_groups * hd,
+        "head_dim": hd,
+        "ffn": spec.ffn_hidden_size,
+        "experts": spec.num_experts,
+        "moe_ffn": spec.moe_ffn_hidden_size,
+    }
+    return [tuple(size[d] for d in dims) for dims in entry.dims]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -297,13 +409,26 @@ def stage_of_layer(layer: int, num_layers: int, pp_size: int) -> tuple[int, int]
 
 @dataclass(frozen=True)
 class Placement:
-    """One table entry instantiated for one layer: where it lives and under which names."""
+    """One table entry instantiated for one layer: where it lives and under which names.
+
+    For an expert entry the placement covers every expert of the layer: ``hf_names`` lists expert 0's
+    tensors, then expert 1's, ...; ``mcore_names`` keep ``{expert}`` for the local expert index.
+    """
 
     entry: Entry
     hf_names: tuple[str, ...]
     stage: int
     #: mcore name candidates on the owning stage (local layer index filled in).
     mcore_names: tuple[str, ...]
+
+    def expert_hf_names(self, expert: int) -> tuple[str, ...]:
+        """The HF names of global expert ``expert`` (an expert entry only)."""
+        k = len(self.entry.hf)
+        return self.hf_names[expert * k : (expert + 1) * k]
+
+    def expert_mcore_names(self, local: int) -> tuple[str, ...]:
+        """The mcore name candidates of local expert ``local`` (an expert entry only)."""
+        return tuple(n.format(expert=local) for n in self.mcore_names)
 
 
 def placements(spec: ModelSpec, pp_size: int) -> list[Placement]:
@@ -317,16 +442,12 @@ def placements(spec: ModelSpec, pp_size: int) -> list[Placement]:
         if entry.untied_only and spec.tie_word_embeddings:
             continue
         if entry.per_layer:
+            experts = range(spec.num_experts) if entry.per_expert else [None]
             for layer in range(spec.num_layers):
                 stage, local = stage_of_layer(layer, spec.num_layers, pp_size)
-                out.append(
-                    Placement(
-                        entry,
-                        tuple(n.format(layer=layer) for n in entry.hf),
-                        stage,
-                        tuple(n.format(layer=local) for n in entry.mcore),
-                    )
-                )
+                hf = tuple(n.format(layer=layer, expert=e) for e in experts for n in entry.hf)
+                mcore = tuple(n.format(layer=local, expert="{expert}") for n in entry.mcore)
+                out.append(Placement(entry, hf, stage, mcore))
         else:
             stage = 0 if entry.stage == "first" else last
             out.append(Placement(entry, entry.hf, stage, entry.mcore))
@@ -335,6 +456,19 @@ def placements(spec: ModelSpec, pp_size: int) -> list[Placement]:
 
 def _resolve(candidates: Sequence[str], names: Mapping[str, Any]) -> str | None:
     return next((n for n in candidates if n in names), None)
+
+
+def local_experts(spec: ModelSpec, ep_size: int) -> int:
+    """Experts per expert-parallel rank.
+
+    Raises:
+        ValueError: ``ep_size`` does not divide the number of experts.
+    """
+    if spec.num_experts % ep_size:
+        raise ValueError(
+            f"policy.expert_parallel_size={ep_size} does not divide the model's {spec.num_experts} experts"
+        )
+    return spec.num_experts // ep_size
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -380,6 +514,8 @@ def load_hf_into(
     pp_size: int,
     pp_rank: int,
     padded_vocab: int,
+    ep_size: int = 1,
+    ep_rank: int = 0,
 ) -> None:
     """Copy this rank's shard of every HF tensor into the Megatron parameters ``params`` (in place).
 
@@ -392,26 +528,37 @@ def load_hf_into(
         pp_size: pipeline-parallel size.
         pp_rank: this rank's pipeline stage.
         padded_vocab: embedding / output-layer rows (see :func:`padded_vocab_size`).
+        ep_size: expert-parallel size (MoE).
+        ep_rank: this rank's expert-parallel index: it holds experts ``ep_rank * E / ep_size ...``.
 
     Raises:
         ValueError: a parameter that no table entry covers, or a shape mismatch (naming both names).
     """
     filled: set[str] = set()
+    per_rank = local_experts(spec, ep_size) if spec.is_moe else 0
     for place in placements(spec, pp_size):
         if place.stage != pp_rank:
+            continue
+        if place.entry.per_expert:
+            for j in range(per_rank):
+                hf_names = place.expert_hf_names(ep_rank * per_rank + j)
+                name = _resolve(place.expert_mcore_names(j), params)
+                if name is None:
+                    raise ValueError(f"Megatron model has none of {place.expert_mcore_names(j)} for {hf_names}")
+                # Expert tensor parallelism is 1: every rank of the expert's EP rank holds it whole.
+                _copy_shard(params[name], place.entry.kind, hf_names, name, read, spec, 1, 0, padded_vocab)
+                filled.add(name)
             continue
         name = _resolve(place.mcore_names, params)
         if name is None:
             raise ValueError(f"Megatron model has none of {place.mcore_names} for {place.hf_names}")
-        _copy_shard(params[name], place, name, read, spec, tp_size, tp_rank, padded_vocab)
+        _copy_shard(params[name], place.entry.kind, place.hf_names, name, read, spec, tp_size, tp_rank, padded_vocab)
         filled.add(name)
     if spec.tie_word_embeddings and "output_layer.weight" in params:
         # PP > 1 with tied embeddings: the last stage's output layer starts as a copy of the embedding.
-        tied = Placement(_EMBED, _EMBED.hf, pp_rank, ("output_layer.weight",))
-        _copy_shard(
-            params["output_layer.weight"], tied, "output_layer.weight", read, spec, tp_size, tp_rank, padded_vocab
-        )
-        filled.add("output_layer.weight")
+        name = "output_layer.weight"
+        _copy_shard(params[name], VOCAB, _EMBED.hf, name, read, spec, tp_size, tp_rank, padded_vocab)
+        filled.add(name)
     missing = sorted(set(params) - filled)
     if missing:
         raise ValueError(f"the weight map for {spec.architecture} does not cover Megatron parameters {missing}")
@@ -419,7 +566,8 @@ def load_hf_into(
 
 def _copy_shard(
     param: torch.Tensor,
-    place: Placement,
+    kind: str,
+    hf_names: Sequence[str],
     name: str,
     read: Callable[[str], torch.Tensor],
     spec: ModelSpec,
@@ -427,10 +575,10 @@ def _copy_shard(
     tp_rank: int,
     padded_vocab: int,
 ) -> None:
-    shard = to_shard(place.entry.kind, [read(n) for n in place.hf_names], spec, tp_size, tp_rank, padded_vocab)
+    shard = to_shard(kind, [read(n) for n in hf_names], spec, tp_size, tp_rank, padded_vocab)
     if tuple(shard.shape) != tuple(param.shape):
         raise ValueError(
-            f"{place.hf_names} -> {name}: shard shape {tuple(shard.shape)} != parameter shape {tuple(param.shape)}"
+            f"{tuple(hf_names)} -> {name}: shard shape {tuple(shard.shape)} != parameter shape {tuple(param.shape)}"
         )
     with torch.no_grad():
         param.copy_(shard)
@@ -444,22 +592,29 @@ def _group_size(group: distributed.Group) -> int:
     return distributed.world_size(group) if group is not None else 1
 
 
+def _placement_shapes(place: Placement, spec: ModelSpec) -> list[tuple[int, ...]]:
+    shapes = hf_shapes(place.entry, spec)
+    return shapes * spec.num_experts if place.entry.per_expert else shapes
+
+
 def export_hf(
     params: Mapping[str, torch.Tensor],
     spec: ModelSpec,
     *,
     tp_group: distributed.Group = None,
     pp_group: distributed.Group = None,
+    ep_group: distributed.Group = None,
     bucket_bytes: int = 512 * 2**20,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Stream (HF name, full tensor) for the whole model on every rank of the TP x PP group (collective).
+    """Stream (HF name, full tensor) for the whole model on every rank of the TP x PP (x EP) group (collective).
 
-    The owning stage gathers each tensor's TP shards (one all-gather per tensor) and converts it to HF
-    layout; consecutive tensors of one stage are packed into a flat bucket of at most ``bucket_bytes``
-    (a larger tensor travels alone) and broadcast to the other stages. At most one bucket of full tensors
-    is alive at a time on a rank: the model is never materialised whole. Every rank of the model-parallel
-    group must consume the iterator to the end, in lockstep. Yielded tensors may share storage with the
-    model or the bucket: copy them to keep them.
+    The owning stage gathers each tensor's TP shards (one all-gather per tensor; a MoE layer's experts with
+    one all-gather over the expert-parallel group per expert entry) and converts it to HF layout; consecutive
+    tensors of one stage are packed into a flat bucket of at most ``bucket_bytes`` (a larger tensor group
+    travels alone) and broadcast to the other stages. At most one bucket of full tensors is alive at a time
+    on a rank: the model is never materialised whole. Every rank of the model-parallel group (and, with
+    experts, of the expert-parallel group) must consume the iterator to the end, in lockstep. Yielded
+    tensors may share storage with the model or the bucket: copy them to keep them.
 
     Args:
         params: this rank's Megatron parameters by name (unwrapped GPTModel), or tensors of the same shapes
@@ -467,6 +622,7 @@ def export_hf(
         spec: the architecture.
         tp_group: the tensor-parallel group (None: size 1).
         pp_group: the pipeline-parallel group (None: size 1).
+        ep_group: the expert-parallel group (None: size 1; MoE only).
         bucket_bytes: upper bound of one broadcast bucket (a larger tensor travels alone).
     """
     tp_size, pp_size = _group_size(tp_group), _group_size(pp_group)
@@ -478,7 +634,7 @@ def export_hf(
     buckets: list[list[Placement]] = []
     size = 0
     for place in plan:
-        nbytes = sum(math.prod(s) for s in hf_shapes(place.entry, spec)) * itemsize
+        nbytes = sum(math.prod(s) for s in _placement_shapes(place, spec)) * itemsize
         if not buckets or buckets[-1][0].stage != place.stage or size + nbytes > bucket_bytes:
             buckets.append([])
             size = 0
@@ -487,9 +643,9 @@ def export_hf(
     for bucket in buckets:
         owner = bucket[0].stage
         names = [n for place in bucket for n in place.hf_names]
-        shapes = [s for place in bucket for s in hf_shapes(place.entry, spec)]
+        shapes = [s for place in bucket for s in _placement_shapes(place, spec)]
         if pp_rank == owner:
-            tensors = [t for place in bucket for t in _gather_full(params, place, spec, tp_group, tp_size)]
+            tensors = [t for place in bucket for t in _gather_full(params, place, spec, tp_group, tp_size, ep_group)]
         if pp_size > 1:
             src = distributed.global_rank(pp_group, owner)
             if pp_rank == owner:
@@ -509,7 +665,10 @@ def _gather_full(
     spec: ModelSpec,
     tp_group: distributed.Group,
     tp_size: int,
+    ep_group: distributed.Group = None,
 ) -> list[torch.Tensor]:
+    if place.entry.per_expert:
+        return _gather_experts(params, place, spec, ep_group)
     name = _resolve(place.mcore_names, params)
     if name is None:
         raise ValueError(f"Megatron model has none of {place.mcore_names} for {place.hf_names}")
@@ -519,3 +678,98 @@ def _gather_full(
     else:
         shards = distributed.all_gather(local, group=tp_group)
     return from_shards(place.entry.kind, shards, spec)
+
+
+def _gather_experts(
+    params: Mapping[str, torch.Tensor], place: Placement, spec: ModelSpec, ep_group: distributed.Group
+) -> list[torch.Tensor]:
+    """Every expert's HF tensors (expert-major) from this EP rank's local experts and the other EP ranks'."""
+    ep_size = _group_size(ep_group)
+    per_rank = local_experts(spec, ep_size)
+    local = []
+    for j in range(per_rank):
+        name = _resolve(place.expert_mcore_names(j), params)
+        if name is None:
+            raise ValueError(f"Megatron model has none of {place.expert_mcore_names(j)} for {place.hf_names}")
+        local.append(params[name].detach())
+    stacked = torch.stack(local)  # [E / EP, ...]
+    if ep_size > 1:
+        stacked = torch.cat(distributed.all_gather(stacked, group=ep_group))  # [E, ...]: EP rank r's block is r-th
+    return [t for e in range(spec.num_experts) for t in from_shards(place.entry.kind, [stacked[e]], spec)]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# transformers' in-memory layout of MoE experts <-> checkpoint names.
+
+_FUSED_EXPERTS = re.compile(r"^(?P<prefix>.+\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
+_ONE_EXPERT = re.compile(
+    r"^(?P<prefix>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
+)
+
+
+def to_checkpoint_layout(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Module tensors -> checkpoint tensors (other tensors pass through).
+
+    A fused ``gate_up_proj`` [E, 2I, h] / ``down_proj`` [E, h, I] becomes each expert's ``gate_proj`` /
+    ``up_proj`` [I, h] and ``down_proj`` [h, I] (views).
+    """
+    for name, tensor in named:
+        m = _FUSED_EXPERTS.match(name)
+        if m is None:
+            yield name, tensor
+            continue
+        for e in range(tensor.shape[0]):
+            if m["proj"] == "gate_up_proj":
+                gate, up = tensor[e].chunk(2, dim=0)
+                yield f"{m['prefix']}.{e}.gate_proj.weight", gate
+                yield f"{m['prefix']}.{e}.up_proj.weight", up
+            else:
+                yield f"{m['prefix']}.{e}.down_proj.weight", tensor[e]
+
+
+def checkpoint_shapes(module_shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """The checkpoint names and shapes of a model whose module tensors have ``module_shapes``."""
+    meta = ((n, torch.empty(s, device="meta")) for n, s in module_shapes.items())
+    return {n: tuple(t.shape) for n, t in to_checkpoint_layout(meta)}
+
+
+def to_module_layout(
+    weights: Iterable[tuple[str, torch.Tensor]], module_shapes: Mapping[str, tuple[int, ...]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Checkpoint tensors -> the module tensors of a model with ``module_shapes`` (inverse of to_checkpoint_layout).
+
+    Each fused expert tensor is yielded once all its experts' tensors have arrived (any order); other
+    tensors pass through, unchecked (the consumer checks names and shapes).
+
+    Raises:
+        ValueError: an expert tensor that arrives twice or belongs to no fused tensor, or a stream that ends
+            with a fused tensor incomplete (naming it).
+    """
+    pending: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
+    for name, tensor in weights:
+        m = _ONE_EXPERT.match(name)
+        target = m and f"{m['prefix']}.{'down_proj' if m['proj'] == 'down_proj' else 'gate_up_proj'}"
+        if m is None or target not in module_shapes:
+            yield name, tensor
+            continue
+        shape = module_shapes[target]
+        experts = shape[0]
+        parts = pending.setdefault(target, {})
+        key = (int(m["expert"]), m["proj"])
+        if key in parts or key[0] >= experts:
+            why = "arrived twice" if key in parts else f"is beyond the model's {experts} experts"
+            raise ValueError(f"refit tensor {name!r} {why}")
+        parts[key] = tensor
+        per_expert = 1 if m["proj"] == "down_proj" else 2
+        if len(parts) == experts * per_expert:
+            if per_expert == 1:
+                fused = torch.stack([parts[(e, "down_proj")] for e in range(experts)])
+            else:
+                fused = torch.stack(
+                    [torch.cat([parts[(e, "gate_proj")], parts[(e, "up_proj")]]) for e in range(experts)]
+                )
+            del pending[target]
+            yield target, fused
+    if pending:
+        incomplete = sorted(pending)[:3]
+        raise ValueError(f"the refit left out expert tensors of {len(pending)} fused tensor(s), e.g. {incomplete}")

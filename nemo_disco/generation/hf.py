@@ -1,7 +1,7 @@
 """The Generator protocol on a transformers model (CPU demo, tests, debugging), and what both generators share.
 
 Decoding runs the KV-cached loop of :mod:`nemo_disco.generation.kv_decode` over the model's own modules for
-Qwen2 and Llama (1.4x faster than ``generate`` on a CPU), and transformers' ``generate`` for any other
+Qwen2, Llama, Qwen3 and Qwen3-MoE (1.4x faster than ``generate`` on a CPU), and transformers' ``generate`` for any other
 architecture or with ``decode="generate"``; both draw the same tokens from the same seeded stream.
 
 Conventions shared with the vLLM generator (:mod:`nemo_disco.generation.vllm`), so either backend can
@@ -19,10 +19,11 @@ stand in for the other:
   when listed); the stop token is kept as the last token and nothing after it is returned.
   ``ignore_eos`` (benchmarks): stop tokens neither end a rollout nor are masked, every rollout has
   exactly ``max_tokens`` tokens and finish reason "length".
-- Refit: ``update_weights`` takes every parameter of the model by its Hugging Face name, each once (tied
-  aliases such as a tied model's ``lm_head.weight`` may be sent or left out). An unknown or repeated name,
-  a wrong shape or a missing tensor raises a ValueError naming the tensor; after a refit that failed
-  part-way, ``generate`` refuses to run until a complete refit.
+- Refit: ``update_weights`` takes every parameter of the model by its Hugging Face checkpoint name, each once
+  (tied aliases such as a tied model's ``lm_head.weight`` may be sent or left out; a MoE layer's experts one
+  by one, as checkpoints and vLLM name them, which this generator fuses into transformers' per-layer
+  tensors). An unknown or repeated name, a wrong shape or a missing tensor raises a ValueError naming the
+  tensor; after a refit that failed part-way, ``generate`` refuses to run until a complete refit.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import torch
 
 from nemo_disco.generation import kv_decode
 from nemo_disco.generation.base import Rollout, SamplingParams
+from nemo_disco.weights import to_module_layout
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -232,7 +234,7 @@ class HFGenerator:
         self._refit_error = "in progress"
         with torch.no_grad():
             try:
-                for name, tensor in self.spec.checked(weights):
+                for name, tensor in self.spec.checked(to_module_layout(weights, self.spec.required)):
                     target = targets[name]
                     target.copy_(tensor.to(target.device, target.dtype))
             except Exception as err:

@@ -8,8 +8,10 @@ refit needs nothing more, and the same function; results differ from ``generate`
 (the generator tests check greedy outputs against ``generate`` token for token and sampled log-probs
 against the policy).
 
-Supported: ``model_type`` qwen2 and llama (the project's architectures) without sliding-window attention;
-:func:`supports` says so, and the generator falls back to ``generate`` for anything else.
+Supported: ``model_type`` qwen2, llama, qwen3 and qwen3_moe (the project's architectures) without
+sliding-window attention. Qwen3's per-head RMSNorms of queries and keys (``q_norm`` / ``k_norm``, before RoPE)
+are applied where its attention applies them; a Qwen3-MoE layer's MLP is its sparse block, called as a
+module. :func:`supports` says so, and the generator falls back to ``generate`` for anything else.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3", "qwen3_moe")
+#: Model types whose attention normalises each query / key head (``q_norm``, ``k_norm``) before RoPE.
+QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
 _LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 _ATTN_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")
 
@@ -28,19 +32,22 @@ Picker = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def supports(model: torch.nn.Module) -> bool:
-    """True when :func:`sample` can run ``model`` (a transformers Qwen2 / Llama causal LM)."""
+    """True when :func:`sample` can run ``model`` (a transformers Qwen2 / Llama / Qwen3 / Qwen3-MoE causal LM)."""
     cfg = getattr(model, "config", None)
     if cfg is None or getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
         return False
     if getattr(cfg, "use_sliding_window", False):
         return False
+    if any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or ()):
+        return False
+    parts = _ATTN_PARTS + (("q_norm", "k_norm") if cfg.model_type in QK_NORM_MODEL_TYPES else ())
     body = getattr(model, "model", None)
     if body is None or not all(hasattr(body, n) for n in ("embed_tokens", "layers", "norm", "rotary_emb")):
         return False
     if not hasattr(model, "lm_head"):
         return False
     return all(
-        all(hasattr(layer, n) for n in _LAYER_PARTS) and all(hasattr(layer.self_attn, n) for n in _ATTN_PARTS)
+        all(hasattr(layer, n) for n in _LAYER_PARTS) and all(hasattr(layer.self_attn, n) for n in parts)
         for layer in body.layers
     )
 
@@ -96,6 +103,7 @@ def sample(
     positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     first = layers[0].self_attn
     head_dim = first.head_dim
+    qk_norm = model.config.model_type in QK_NORM_MODEL_TYPES
     kv_heads = first.k_proj.out_features // head_dim
     cache_shape = (len(layers), batch, kv_heads, prompt_len + max_tokens, head_dim)
     dtype = body.embed_tokens.weight.dtype
@@ -119,8 +127,12 @@ def sample(
         for i, layer in enumerate(layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
-            q = _rope(attn.q_proj(h).view(batch, seq, -1, head_dim).transpose(1, 2), cos, sin)
-            k = _rope(attn.k_proj(h).view(batch, seq, -1, head_dim).transpose(1, 2), cos, sin)
+            q = attn.q_proj(h).view(batch, seq, -1, head_dim)
+            k = attn.k_proj(h).view(batch, seq, -1, head_dim)
+            if qk_norm:
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q = _rope(q.transpose(1, 2), cos, sin)
+            k = _rope(k.transpose(1, 2), cos, sin)
             keys[i, :, :, start:end] = k
             values[i, :, :, start:end] = attn.v_proj(h).view(batch, seq, -1, head_dim).transpose(1, 2)
             kc, vc = keys[i, :, :, :end], values[i, :, :, :end]

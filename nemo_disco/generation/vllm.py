@@ -53,6 +53,7 @@ from nemo_disco import distributed
 from nemo_disco.config import ConfigError
 from nemo_disco.generation.base import Rollout, SamplingParams
 from nemo_disco.generation.hf import WeightSpec, trim_at_stop
+from nemo_disco.weights import checkpoint_shapes
 
 log = logging.getLogger(__name__)
 
@@ -90,16 +91,27 @@ def request_seed(seed: int, index: int) -> int:
 def _reload(worker: object, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Run inside the engine's worker: reload checkpoint-format weights in place, layer by layer.
 
-    A tied LM head receives no tensor (it is the embedding), so vLLM's reload leaves its GEMM kernel as it
-    was prepared from the OLD embedding (the CPU build packs a copy of the weight when weights are
-    processed); it is prepared again from the fresh embedding here (a no-op on CUDA).
+    Two kernels of the CPU build keep a packed copy that vLLM's reload does not redo:
+
+    - a tied LM head receives no tensor (it is the embedding), so its GEMM kernel stays as it was prepared
+      from the OLD embedding; it is prepared again from the fresh embedding here (a no-op on CUDA);
+    - a MoE layer's experts are packed into the CPU grouped-GEMM layout only when the kernel is first set up
+      (vLLM treats later loads as weight updates and skips it), so after a refit the kernel would read the
+      new, unpacked weights as packed ones; the CPU build packs them again here.
     """
+    from vllm.platforms import current_platform
+
     runner = worker.model_runner  # type: ignore[attr-defined]
     runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
     model = runner.get_model()
     config = getattr(model, "config", None)
     if getattr(config, "tie_word_embeddings", False) and hasattr(model, "lm_head"):
         model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
+    if current_platform.is_cpu():
+        for module in model.modules():
+            kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+            if kernel is not None:
+                kernel.fused_experts.process_weights_after_loading(module)
 
 
 class VLLMGenerator:
@@ -157,7 +169,9 @@ class VLLMGenerator:
         self.model_dir = Path(model_dir)
         with torch.device("meta"):  # names and shapes only: nothing is allocated
             meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(model_dir)))
-        self.spec = WeightSpec.of_model(meta, f"VLLMGenerator({self.model_dir})")
+        module = WeightSpec.of_model(meta, f"VLLMGenerator({self.model_dir})")
+        # vLLM loads checkpoint names: a MoE layer's experts one by one, not transformers' fused tensors.
+        self.spec = WeightSpec(checkpoint_shapes(module.required), checkpoint_shapes(module.optional), module.where)
         del meta
         self.bucket_bytes = refit_bucket_mb * 2**20
         self.tensor_parallel_size = tensor_parallel_size

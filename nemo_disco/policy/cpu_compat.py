@@ -4,14 +4,19 @@ Megatron-Core hard-codes CUDA in a few places that a CPU run with gloo reaches: 
 as the device of buffers (rotary frequencies, the global memory buffer, tensor-parallel gathers, pipeline
 p2p tensors), ``device="cuda"`` literals (the pipeline schedules' token counter, the grad-buffer warm-up),
 ``torch.cuda.synchronize()`` around p2p communication, ``torch.cuda.current_stream()`` in the DDP gradient
-sync of megatron-core >= 0.17, and the CUDA RNG tracker that forks dropout randomness. :func:`apply` patches
-exactly these, and only when ``torch.cuda.is_available()`` is False; it is idempotent. :func:`device_scope` is
+sync of megatron-core >= 0.17, and the CUDA RNG tracker that forks dropout randomness. The MoE layer adds a
+side stream and an event for its token counts (``torch.cuda.Stream``, ``torch.cuda.stream``,
+``record_event().synchronize()`` in the all-to-all token dispatcher, whose split sizes become host lists only
+when they come from CUDA tensors), and 0.16.1's router names
+``te_general_gemm`` without defining it when Transformer Engine is absent. :func:`apply` patches exactly
+these, and only when ``torch.cuda.is_available()`` is False; it is idempotent. :func:`device_scope` is
 a context manager that maps ``device="cuda"`` factory arguments and ``Tensor.cuda()`` to the CPU while
 Megatron code runs (a no-op with CUDA). The causal mask that mcore builds on CUDA (``get_default_causal_mask``)
 is avoided by always passing an explicit attention mask.
 
 With these, GPTModel (local layer spec, ``use_cpu_initialization=True``) runs forward and backward at any
-TP x PP x DP over gloo, through the pipeline schedules and Megatron DDP. What stays GPU-only: the
+TP x PP x DP over gloo, through the pipeline schedules and Megatron DDP, MoE layers included (all-to-all
+dispatcher, any expert-parallel size). What stays GPU-only: the
 Transformer Engine layer spec, packed sequences (THD attention), the distributed optimizer and mcore's
 gradient clipping (``clip_grads`` asserts CUDA tensors).
 """
@@ -93,17 +98,24 @@ def apply() -> bool:
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
     # p2p communication and process-group setup synchronise the (absent) CUDA stream.
     torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
-    # megatron-core >= 0.17's DDP gradient sync orders its work on the current stream.
+    # megatron-core >= 0.17's DDP gradient sync orders its work on the current stream; the MoE token
+    # dispatcher copies its counts to the host on a side stream of its own.
     torch.cuda.current_stream = lambda device=None: _NULL_STREAM  # type: ignore[assignment]
+    torch.cuda.Stream = _NullStream  # type: ignore[assignment,misc]  (a class: annotations use `Stream | None`)
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()  # type: ignore[assignment]
     # Expected on a CPU machine, once per import: say it once in the docs instead of at every start.
     warnings.filterwarnings("ignore", message="(Transformer Engine and Apex are|Apex is) not installed")
     _patch_rng_tracker()
+    _patch_moe()
     _APPLIED = True
     return True
 
 
 class _NullStream:
-    """The current CUDA stream of a machine without CUDA: ordering calls are no-ops (everything is synchronous)."""
+    """A CUDA stream of a machine without CUDA: ordering calls are no-ops (everything is synchronous)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        pass
 
     def wait_event(self, event: object) -> None:  # noqa: D102
         pass
@@ -114,11 +126,47 @@ class _NullStream:
     def synchronize(self) -> None:  # noqa: D102
         pass
 
-    def record_event(self, event: object = None) -> None:  # noqa: D102
-        return None
+    def record_event(self, event: object = None) -> _NullEvent:  # noqa: D102
+        return _NullEvent()
+
+
+class _NullEvent:
+    """An event on the null stream: already complete."""
+
+    def synchronize(self) -> None:  # noqa: D102
+        pass
+
+    def wait(self, stream: object = None) -> None:  # noqa: D102
+        pass
+
+    def query(self) -> bool:  # noqa: D102
+        return True
 
 
 _NULL_STREAM = _NullStream()
+
+
+def _patch_moe() -> None:
+    """The MoE layer on CPU: ``te_general_gemm`` defined, the dispatcher's split sizes as host lists.
+
+    megatron-core 0.16.1's router gating tests ``te_general_gemm is not None`` but only defines the name when
+    Transformer Engine imports: a NameError otherwise.
+    """
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    # The all-to-all dispatcher copies its split sizes to the host "as numpy" (lists for all_to_all_single)
+    # only when they are CUDA tensors; on the CPU they would stay tensors, which all_to_all_single refuses.
+    to_host = moe_utils.maybe_move_tensor_to_cpu
+
+    def maybe_move_tensor_to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return to_host(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
 
 
 def _patch_rng_tracker() -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from nemo_disco import distributed
+from nemo_disco import distributed, weights
 from nemo_disco.batch import RolloutBatch
 from nemo_disco.config import RunConfig
 from nemo_disco.policy.base import SurrogateFn
@@ -78,6 +78,10 @@ class HFPolicy:
             enable()
         self.model.config.use_cache = False
         pc = cfg.policy
+        if trainable and pc.freeze_router:
+            for name, p in self.model.named_parameters():
+                if name.endswith(".mlp.gate.weight"):  # an MoE router (a dense MLP's is gate_proj)
+                    p.requires_grad_(False)
         self.trainable = trainable
         self.optimizer = None
         if trainable:
@@ -164,7 +168,10 @@ class HFPolicy:
 
     # ------------------------------------------------------------------------------------------------------------------
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, tensor) for every parameter and buffer that a checkpoint holds (tied weights once)."""
+        """(HF checkpoint name, tensor) for every parameter (tied weights once; MoE experts one by one)."""
+        yield from weights.to_checkpoint_layout(self._parameters())
+
+    def _parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         seen: set[int] = set()
         for name, p in self.model.named_parameters():
             if id(p) in seen:

@@ -14,6 +14,14 @@ Layout and parallelism:
     extension modules import (:func:`fusion_flags`); TE does not provide them, and mcore would raise.
   - Every sequence is laid out from position 0 (prompt then response, padding after it), as the generator
     sees it, so positions and RoPE angles match Hugging Face's forward exactly.
+  - Families: Qwen2 / Qwen2.5, Llama 3.x, Qwen3 (q / k norms, head_dim from the config) and Qwen3-MoE
+    (``nemo_disco.weights``). MoE layers split their experts over ``policy.expert_parallel_size`` ranks of a
+    pipeline stage (expert tensor parallelism 1; the all-to-all token dispatcher, which runs on CPU with gloo
+    too) and run sequence parallel at TP > 1 (mcore requires it; the sequence is padded to a multiple of TP).
+    The ranks of an expert-parallel group run as many micro-batches each (fillers are added, their output
+    discarded). The router is frozen by default (``policy.freeze_router``, as NeMo-RL); its load-balancing
+    loss is measured every update and added to the objective only with ``policy.router_aux_loss_coef`` > 0
+    (:class:`RouterBalance`), so by default the gradient is exactly that of the surrogate below.
 
 Gradient exactness (the surrogate carries global normalisation, see ``nemo_disco.policy.base``):
   - ``calculate_per_token_loss=True`` and a loss function returning ``(loss, num_tokens, ...)``: the pipeline
@@ -48,6 +56,7 @@ refit, the weights after it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import json
@@ -219,14 +228,21 @@ def read_checkpoint_meta(path: str | Path) -> dict[str, Any]:
 # Process groups and model construction (shared with nemo_disco.convert).
 
 
-def init_parallel(tp: int, pp: int, seed: int = 1) -> None:
+def init_parallel(tp: int, pp: int, seed: int = 1, ep: int | None = None) -> None:
     """Initialise torch.distributed (if needed) and Megatron's ``parallel_state`` for TP x PP x DP.
 
-    One parallel layout per process at a time: asking for another TP / PP re-initialises ``parallel_state``
+    One parallel layout per process at a time: asking for another TP / PP / EP re-initialises ``parallel_state``
     (models built under the previous layout must not be used afterwards).
 
+    Args:
+        tp: tensor-parallel size.
+        pp: pipeline-parallel size.
+        seed: the model-parallel RNG seed.
+        ep: expert-parallel size of a mixture-of-experts model (expert tensor parallelism 1); None for a dense
+            model (mcore's default expert groups).
+
     Raises:
-        ValueError: TP x PP does not divide the world size.
+        ValueError: TP x PP does not divide the world size, or EP the ranks of a pipeline stage.
     """
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
@@ -244,12 +260,25 @@ def init_parallel(tp: int, pp: int, seed: int = 1) -> None:
             f"policy.tensor_parallel_size x policy.pipeline_parallel_size = {tp} x {pp} does not divide "
             f"the world size {world}"
         )
+    if ep is not None and (world // pp) % ep:
+        raise ValueError(
+            f"policy.expert_parallel_size={ep} does not divide the {world // pp} ranks of a pipeline stage "
+            f"(world {world} / policy.pipeline_parallel_size {pp})"
+        )
+    global _EXPERT_LAYOUT
     if ps.model_parallel_is_initialized():
-        if (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()) == (tp, pp):
+        same = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()) == (tp, pp)
+        if same and _EXPERT_LAYOUT == ep:
             return
         ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    experts = {} if ep is None else {"expert_model_parallel_size": ep, "expert_tensor_parallel_size": 1}
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, **experts)
+    _EXPERT_LAYOUT = ep
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+#: The expert-parallel size ``parallel_state`` was last initialised with (None: a dense model's defaults).
+_EXPERT_LAYOUT: int | None = None
 
 
 def transformer_config(
@@ -260,14 +289,42 @@ def transformer_config(
     dtype: torch.dtype,
     use_te: bool,
     recompute: bool,
+    ep: int = 1,
+    router_dtype: str = "float64",
 ) -> Any:
-    """The mcore ``TransformerConfig`` of a Qwen2 / Llama model (no dropout, per-token loss, variable shapes)."""
+    """The mcore ``TransformerConfig`` of a model of ``spec`` (no dropout, per-token loss, variable shapes).
+
+    Qwen3: per-head RMSNorm of queries and keys (``qk_layernorm``), ``kv_channels`` = the config's head_dim.
+    Qwen3-MoE: every layer an MoE layer with top-k routing (``norm_topk_prob``: softmax over the k chosen logits,
+    which equals the renormalised top-k probabilities; otherwise softmax over all experts, then top-k), the
+    all-to-all token dispatcher, ``ep``-way expert parallelism with expert tensor parallelism 1, the router in
+    ``router_dtype`` ("float32" / "float64"), no load-balancing loss inside mcore (the policy adds its own, see
+    :class:`RouterBalance`), and sequence parallelism at TP > 1 (which mcore's MoE layer requires for training;
+    dense models keep the whole sequence on every TP rank).
+    """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     on_gpu = torch.cuda.is_available()
     extra: dict[str, Any] = fusion_flags(on_gpu, use_te)
     if recompute:
         extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if spec.is_moe:
+        extra.update(
+            num_moe_experts=spec.num_experts,
+            moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+            moe_router_topk=spec.moe_router_topk,
+            moe_router_pre_softmax=not spec.norm_topk_prob,
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_router_dtype={"float32": "fp32", "float64": "fp64"}[router_dtype],
+            # Grouped GEMM comes with Transformer Engine (the local spec would need the grouped_gemm package).
+            moe_grouped_gemm=use_te,
+            moe_permute_fusion=False,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=1,
+            # mcore's MoE layer refuses to train at TP > 1 without it.
+            sequence_parallel=tp > 1,
+        )
     return TransformerConfig(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -283,6 +340,7 @@ def transformer_config(
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
         add_qkv_bias=spec.qkv_bias,
+        qk_layernorm=spec.qk_layernorm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         params_dtype=dtype,
@@ -299,7 +357,8 @@ def transformer_config(
         calculate_per_token_loss=True,
         # Micro-batches differ in shape (token-budgeted rows, trimmed widths, packed lengths).
         variable_seq_lengths=True,
-        # Only to pass a config check that pairs variable lengths with MoE dispatch; the model is dense.
+        # The dispatcher that runs with variable shapes (mcore refuses allgather with them); dense models need
+        # it only to pass that check.
         moe_token_dispatcher_type="alltoall",
         **extra,
     )
@@ -314,7 +373,20 @@ def build_gpt_model(spec: weights.ModelSpec, config: Any, padded_vocab: int, use
         get_gpt_layer_with_transformer_engine_spec,
     )
 
-    layer_spec = get_gpt_layer_with_transformer_engine_spec() if use_te else get_gpt_layer_local_spec()
+    moe = {"num_experts": spec.num_experts, "moe_grouped_gemm": use_te} if spec.is_moe else {}
+    if use_te:
+        layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_layernorm, **moe)
+    else:
+        layer_spec = get_gpt_layer_local_spec(qk_layernorm=spec.qk_layernorm, normalization="RMSNorm", **moe)
+        if spec.is_moe:
+            # The local spec stores pre_mlp_layernorm under the name of the norm that a dense TE layer fuses into
+            # linear_fc1; an MoE layer has no such fusion under either spec, and TE checkpoints keep the plain
+            # name. Keeping it too makes checkpoints of both specs load into either.
+            keys = dict(layer_spec.submodules.sharded_state_dict_keys_map)
+            keys.pop("pre_mlp_layernorm.", None)
+            layer_spec.submodules.sharded_state_dict_keys_map = keys
+        if config.sequence_parallel:
+            layer_spec = _sequence_parallel_local_spec(layer_spec, config)
     with cpu_compat.device_scope():
         return GPTModel(
             config=config,
@@ -332,10 +404,52 @@ def build_gpt_model(spec: weights.ModelSpec, config: Any, padded_vocab: int, use
         )
 
 
+class LocalRMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm, as mcore's local spec builds it, that also runs under sequence parallelism.
+
+    mcore's ``WrappedTorchNorm`` refuses sequence parallelism because it does not mark its weight: each TP rank
+    then normalises a slice of the sequence, so the weight's gradient is partial on every rank until
+    ``finalize_model_grads`` sums the gradients of parameters marked ``sequence_parallel`` over the TP group.
+    This one marks it (per ``config.sequence_parallel``).
+    """
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **kwargs: Any) -> None:
+        """Build from mcore's norm arguments (``persist_layer_norm`` and the like are ignored, as mcore's are)."""
+        super().__init__(normalized_shape=hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+
+def _sequence_parallel_local_spec(layer_spec: Any, config: Any) -> Any:
+    """The local layer spec with norms that support sequence parallelism, as a block spec (the final norm too).
+
+    q / k norms act on whole sequences of TP-split heads; mcore sums their gradients over TP by name.
+    """
+    import copy
+
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    layer_spec = copy.deepcopy(layer_spec)
+    sub = layer_spec.submodules
+    sub.input_layernorm = sub.pre_mlp_layernorm = LocalRMSNorm
+    attention = sub.self_attention.submodules
+    for name in ("q_layernorm", "k_layernorm"):
+        if getattr(attention, name) is not None and getattr(attention, name).__name__ == "WrappedTorchNorm":
+            setattr(attention, name, LocalRMSNorm)
+    return TransformerBlockSubmodules(
+        layer_specs=[layer_spec] * get_num_layers_to_build(config), layer_norm=LocalRMSNorm
+    )
+
+
 def load_hf_weights(model: Any, model_dir: str | Path, spec: weights.ModelSpec, padded_vocab: int) -> None:
     """Copy this rank's shards of an HF folder's safetensors into ``model`` (the unwrapped GPTModel)."""
     from megatron.core import parallel_state as ps
 
+    experts = {}
+    if spec.is_moe:
+        experts = {
+            "ep_size": ps.get_expert_model_parallel_world_size(),
+            "ep_rank": ps.get_expert_model_parallel_rank(),
+        }
     weights.load_hf_into(
         dict(model.named_parameters()),
         weights.SafetensorsReader(model_dir),
@@ -345,7 +459,13 @@ def load_hf_weights(model: Any, model_dir: str | Path, spec: weights.ModelSpec, 
         pp_size=ps.get_pipeline_model_parallel_world_size(),
         pp_rank=ps.get_pipeline_model_parallel_rank(),
         padded_vocab=padded_vocab,
+        **experts,
     )
+
+
+def is_router(name: str) -> bool:
+    """Whether a GPTModel parameter name is an MoE router's weight."""
+    return name.endswith(".mlp.router.weight") or name.endswith(".mlp.router.bias")
 
 
 def save_model_checkpoint(model: Any, directory: Path) -> None:
@@ -450,6 +570,9 @@ class _MicroBatch:
     targets: torch.Tensor  # like input_ids: the next token at every position
     response_index: torch.Tensor  # [n, r] flat token index of the logits predicting response token t
     response_mask: torch.Tensor  # [n, r] bool
+    token_mask: torch.Tensor  # like input_ids, on the CPU: True on real tokens (False on padding)
+    #: A copy run only to keep an expert-parallel group's forward passes in step (output discarded).
+    filler: bool = False
 
 
 def _row_lengths(batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -481,7 +604,15 @@ def split_microbatches(batch: RolloutBatch, max_tokens: int, packed: bool) -> li
     return [torch.tensor(g, dtype=torch.long) for g in groups]
 
 
-def _prepare(batch: RolloutBatch, rows: torch.Tensor, packed: bool, device: torch.device) -> _MicroBatch:
+def _prepare(
+    batch: RolloutBatch, rows: torch.Tensor, packed: bool, device: torch.device, seq_multiple: int = 1
+) -> _MicroBatch:
+    """One micro-batch laid out for the model.
+
+    ``seq_multiple``: the sequence length (packed: the total length) is padded to a multiple of it (sequence
+    parallelism splits the sequence over the TP ranks). Padding follows every real token of a row (packed: it
+    extends the last sequence), where causal attention keeps it away from the real tokens.
+    """
     sub = batch.select(rows)
     n, width = sub.prompt_ids.shape
     p_len, r_len = _row_lengths(sub)
@@ -499,12 +630,16 @@ def _prepare(batch: RolloutBatch, rows: torch.Tensor, packed: bool, device: torc
         from megatron.core.packed_seq_params import PackedSeqParams
 
         tokens = [ids[i, width - int(p_len[i]) : width + int(r_len[i])] for i in range(n)]
-        flat = torch.cat(tokens).unsqueeze(0)  # [1, T]
+        extra = -int(lens.sum()) % seq_multiple
+        flat = torch.cat([*tokens, ids.new_zeros(extra)]).unsqueeze(0)  # [1, T]
+        real = torch.arange(flat.shape[1]).unsqueeze(0) < int(lens.sum())  # [1, T]
         cu = torch.zeros(n + 1, dtype=torch.int32)
         cu[1:] = torch.cumsum(lens, 0)
-        positions = torch.cat([torch.arange(int(x)) for x in lens]).unsqueeze(0)  # [1, T]
+        cu[-1] += extra
+        positions = torch.cat([torch.arange(int(x)) for x in lens[:-1]] + [torch.arange(int(lens[-1]) + extra)])
+        positions = positions.unsqueeze(0)  # [1, T]
         targets = torch.cat([flat[:, 1:], flat.new_zeros(1, 1)], dim=1)  # crosses sequence ends only where unused
-        longest = int(lens.max())
+        longest = max(int(lens.max()), int(lens[-1]) + extra)
         params = PackedSeqParams(
             qkv_format="thd",
             cu_seqlens_q=cu.to(device),
@@ -522,8 +657,9 @@ def _prepare(batch: RolloutBatch, rows: torch.Tensor, packed: bool, device: torc
             targets=targets.to(device),
             response_index=index.to(device),
             response_mask=response_mask.to(device),
+            token_mask=real,
         )
-    seq = int(lens.max())
+    seq = -(-int(lens.max()) // seq_multiple) * seq_multiple
     pos = torch.arange(seq)
     gather = ((width - p_len).unsqueeze(1) + pos).clamp(max=ids.shape[1] - 1)  # [n, S]
     valid = pos.unsqueeze(0) < lens.unsqueeze(1)  # [n, S]
@@ -541,7 +677,120 @@ def _prepare(batch: RolloutBatch, rows: torch.Tensor, packed: bool, device: torc
         targets=targets.to(device),
         response_index=index.to(device),
         response_mask=response_mask.to(device),
+        token_mask=valid,
     )
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# MoE router statistics and the optional load-balancing loss.
+
+
+class RouterBalance:
+    """The load-balancing loss of this stage's MoE routers: measured on real tokens every update, trained if asked.
+
+    Per layer, over the N real tokens of a pass (padding and filler micro-batches excluded): ``f_i`` = the share
+    of the N x k routing choices that picked expert i, ``P_i`` = expert i's mean routing probability (softmax
+    over all E experts); ``loss = E * sum_i f_i P_i`` (the Switch Transformer loss as mcore normalises it: 1.0
+    when the load is uniform, E / k at worst). Each layer's counts are summed over the data-parallel ranks first.
+    :meth:`finish` reports the mean over layers (``router_balance_loss``) and the busiest expert's load relative
+    to a uniform one, ``E * max_i f_i`` (``router_max_load``).
+
+    Training it (``policy.router_aux_loss_coef`` = c > 0; 0 by default, as NeMo-RL's load-balancing type
+    "none"): each micro-batch adds ``c * (its per-layer losses summed over layers) / (micro-batches summed over
+    the data-parallel ranks)`` through mcore's ``MoEAuxLossAutoScaler``, so the update follows
+    ``surrogate + c * mean over micro-batches of the summed layer losses``. mcore's own aux loss is left off: in
+    per-token-loss mode it scales by the micro-batch's token count, which the policy's globally normalised
+    surrogate does not divide away.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        spec: weights.ModelSpec,
+        coef: float,
+        recompute: bool,
+        sp_group: distributed.Group = None,
+    ) -> None:
+        """Wrap the routing of every ``TopKRouter`` of ``model``.
+
+        Args:
+            model: this rank's GPTModel stage.
+            spec: the architecture (experts, top-k).
+            coef: ``policy.router_aux_loss_coef``.
+            recompute: activation recomputation is on (a forward then runs twice).
+            sp_group: the TP group under sequence parallelism (each rank routes a slice of the sequence), else None.
+        """
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        self.experts, self.topk, self.coef, self.recompute = spec.num_experts, spec.moe_router_topk, coef, recompute
+        self.sp_group = sp_group
+        self.active = False
+        self.mask: torch.Tensor | None = None  # [S * B] real tokens of the running micro-batch, mcore's order
+        self.scale = 0.0
+        self.sums: dict[int, torch.Tensor] = {}
+        for router in (m for m in model.modules() if isinstance(m, TopKRouter)):
+            router.routing = functools.partial(self._routing, router, router.routing)
+
+    def set_tokens(self, mb: _MicroBatch) -> None:
+        """The real tokens of the micro-batch about to run, in mcore's [S, B] order (this rank's slice under SP)."""
+        real = mb.token_mask.t() & (not mb.filler)  # [S, B]
+        if self.sp_group is not None:
+            real = real.chunk(distributed.world_size(self.sp_group))[distributed.rank(self.sp_group)]
+        self.mask = real.reshape(-1)
+
+    def start(self, mbs: list[_MicroBatch], dp_group: distributed.Group) -> None:
+        """Begin a training pass over ``mbs`` (this DP rank's micro-batches)."""
+        self.active, self.sums = True, {}
+        if self.coef > 0:
+            (total,) = distributed.sum_floats([float(sum(not mb.filler for mb in mbs))], group=dp_group)
+            self.scale = self.coef / max(total, 1.0)
+
+    def finish(self, dp_group: distributed.Group, pp_group: distributed.Group) -> dict[str, float]:
+        """End the pass; the statistics of every layer of the model (same on every rank)."""
+        self.active = False
+        e, k = self.experts, self.topk
+        layers = sorted(self.sums)
+        stats = torch.stack([self.sums[n] for n in layers])  # [L_stage, 2E + 1]: counts, prob sums, tokens
+        distributed.all_reduce(stats, group=dp_group)
+        if self.sp_group is not None:  # each TP rank routed a slice of the sequence
+            distributed.all_reduce(stats, group=self.sp_group)
+        tokens = stats[:, 2 * e :].clamp(min=1.0)
+        share, mean_prob = stats[:, :e] / (k * tokens), stats[:, e : 2 * e] / tokens  # f_i, P_i per layer
+        total = torch.stack([(e * share * mean_prob).sum(), torch.tensor(float(len(layers)), dtype=stats.dtype)])
+        busiest = (e * share).max().reshape(1)
+        if pp_group is not None:
+            distributed.all_reduce(total, group=pp_group)
+            distributed.all_reduce(busiest, op="max", group=pp_group)
+        return {"router_balance_loss": float(total[0] / total[1]), "router_max_load": float(busiest[0])}
+
+    def _routing(
+        self, router: Any, routing: Callable, logits: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        probs, routing_map = routing(logits, *args, **kwargs)
+        if not self.active or self.mask is None:
+            return probs, routing_map
+        flat = logits.reshape(-1, self.experts)  # [T, E]
+        mask = self.mask.to(flat.device)
+        scores = torch.softmax(flat[mask].to(torch.float64 if flat.dtype == torch.float64 else torch.float32), -1)
+        counts = routing_map.reshape(-1, self.experts)[mask].to(scores.dtype).sum(0)  # [E]
+        n = scores.new_tensor([float(mask.sum())])
+        row = torch.cat([counts, scores.detach().sum(0), n]).double().cpu()  # this slice's sums
+        if self.sp_group is not None:  # the loss is over the whole sequence: picks and tokens of every slice
+            total = distributed.all_reduce(torch.cat([counts, n]), group=self.sp_group)
+            counts, n = total[:-1], total[-1:]
+        if float(n) == 0:
+            return probs, routing_map
+        # With activation recomputation the forward runs twice (no grad, then with grad in the backward): count
+        # the first.
+        if not (self.recompute and torch.is_grad_enabled()):
+            self.sums[router.layer_number] = self.sums.get(router.layer_number, 0) + row
+        if self.coef > 0 and torch.is_grad_enabled():
+            from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+            # E sum_i f_i P_i; under SP this slice's share of it (its tokens' probabilities, every slice's picks).
+            loss = self.experts / (self.topk * float(n) ** 2) * (scores.sum(0) * counts).sum()
+            probs = MoEAuxLossAutoScaler.apply(probs, loss * self.scale)
+        return probs, routing_map
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -578,12 +827,20 @@ class MegatronPolicy:
         self.on_gpu = torch.cuda.is_available()
         self.dtype = _DTYPES[pc.dtype]
         self.tp, self.pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
-        init_parallel(self.tp, self.pp, cfg.algorithm.seed)
+        self.spec = weights.ModelSpec.from_dir(self.model_dir)
+        self.ep = pc.expert_parallel_size
+        if self.spec.is_moe:
+            weights.local_experts(self.spec, self.ep)
+        elif self.ep > 1:
+            raise ValueError(
+                f"policy.expert_parallel_size={self.ep} needs a mixture-of-experts model; {self.model_dir} is "
+                f"{self.spec.architecture} (dense)"
+            )
+        init_parallel(self.tp, self.pp, cfg.algorithm.seed, ep=self.ep if self.spec.is_moe else None)
         # After init: under torchrun / srun it selects this process's GPU.
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else torch.device("cpu")
         from_checkpoint = is_checkpoint_dir(self.model_dir)
         meta = read_checkpoint_meta(self.model_dir) if from_checkpoint else {}
-        self.spec = weights.ModelSpec.from_dir(self.model_dir)
         self.vocab_multiple = vocab_multiple or meta.get("vocab_multiple") or weights.DEFAULT_VOCAB_MULTIPLE
         self.padded_vocab = weights.padded_vocab_size(self.spec.vocab_size, self.tp, self.vocab_multiple)
         self.use_te = use_transformer_engine(pc.transformer_engine)
@@ -592,7 +849,14 @@ class MegatronPolicy:
         self.temperature = cfg.generation.temperature
         recompute = pc.activation_checkpointing
         self.tf_config = transformer_config(
-            self.spec, tp=self.tp, pp=self.pp, dtype=self.dtype, use_te=self.use_te, recompute=recompute
+            self.spec,
+            tp=self.tp,
+            pp=self.pp,
+            dtype=self.dtype,
+            use_te=self.use_te,
+            recompute=recompute,
+            ep=self.ep,
+            router_dtype=pc.router_dtype,
         )
         self.gpt = build_gpt_model(self.spec, self.tf_config, self.padded_vocab, self.use_te)
         if from_checkpoint:
@@ -602,6 +866,17 @@ class MegatronPolicy:
             load_hf_weights(self.gpt, self.model_dir, self.spec, self.padded_vocab)
         self._source_dir = self.model_dir
         self.trainable = trainable
+        if trainable and self.spec.is_moe and pc.freeze_router:
+            # Frozen before DDP and the optimizer see them: no gradient buffer, no optimizer state (NeMo-RL's
+            # freeze_moe_router); the gradient still flows through the routing weights to the layers below.
+            for name, p in self.gpt.named_parameters():
+                if is_router(name):
+                    p.requires_grad_(False)
+        self.ep_group = ps.get_expert_model_parallel_group() if self.spec.is_moe else None
+        self.balance = None
+        if self.spec.is_moe:
+            sp_group = ps.get_tensor_model_parallel_group() if self.tf_config.sequence_parallel else None
+            self.balance = RouterBalance(self.gpt, self.spec, pc.router_aux_loss_coef, recompute, sp_group)
         if trainable:
             self.model = self._wrap_ddp()
             self.optimizer = self._build_optimizer()
@@ -620,6 +895,7 @@ class MegatronPolicy:
         self.is_last_stage = ps.is_pipeline_last_stage()
         self._last_stage_rank = ps.get_pipeline_model_parallel_last_rank()
         self._offloaded: set[str] = set()  # "optimizer" (gradients + optimizer state) and / or "weights"
+        self.last_router_stats: dict[str, float] = {}
 
     # ------------------------------------------------------------------------------------------------------------------
     # Construction helpers.
@@ -674,7 +950,8 @@ class MegatronPolicy:
         pc = self.cfg.policy
         decay, no_decay = [], []
         for name, p in self.gpt.named_parameters():
-            (no_decay if no_weight_decay(name, p) else decay).append(p)
+            if p.requires_grad:  # a frozen router has neither gradient buffer nor optimizer state
+                (no_decay if no_weight_decay(name, p) else decay).append(p)
         groups = [{"params": decay, "wd_mult": 1.0}, {"params": no_decay, "wd_mult": 0.0}]
         groups = [g for g in groups if g["params"]]
         set_group_hyperparameters(groups, pc.lr, pc.weight_decay)
@@ -692,7 +969,17 @@ class MegatronPolicy:
 
     def _microbatches(self, batch: RolloutBatch) -> list[_MicroBatch]:
         groups = split_microbatches(batch, self.cfg.policy.microbatch_tokens, self.packed)
-        return [_prepare(batch, rows, self.packed, self.device) for rows in groups]
+        multiple = self.tp if self.tf_config.sequence_parallel else 1
+        mbs = [_prepare(batch, rows, self.packed, self.device, multiple) for rows in groups]
+        if self.ep > 1:
+            # Every MoE layer exchanges tokens with the other ranks of its expert-parallel group: all of them must
+            # run as many forward passes. Ranks with fewer micro-batches add copies of a one-row micro-batch whose
+            # output is discarded (zero loss, no log-probs stored, not counted in the router statistics).
+            target = distributed.max_int(len(mbs), group=self.ep_group)
+            filler = _prepare(batch, groups[0][:1], self.packed, self.device, multiple)
+            filler = dataclasses.replace(filler, filler=True)
+            mbs += [filler] * (target - len(mbs))
+        return mbs
 
     def _response_logprobs(
         self, logits: torch.Tensor, mb: _MicroBatch, width: int, entropy: bool
@@ -730,13 +1017,15 @@ class MegatronPolicy:
 
         def loss_func(mb: _MicroBatch, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
             lp, ent = self._response_logprobs(logits, mb, width, entropy)
-            value = on_output(mb, lp, ent)
+            value = lp.sum() * 0.0 if mb.filler else on_output(mb, lp, ent)
             # A 3-tuple with calculate_per_token_loss: the schedule neither divides by num_tokens nor by the
             # number of micro-batches, so the backward is exactly d value / d theta.
             return value, torch.ones((), dtype=torch.int, device=value.device), {}
 
         def forward_step(data_iterator: Iterator[_MicroBatch], model: Any) -> tuple[torch.Tensor, Callable]:
             mb = next(data_iterator)
+            if self.balance is not None:
+                self.balance.set_tokens(mb)
             out = model(mb.input_ids, mb.position_ids, mb.attention_mask, packed_seq_params=mb.packed)
             return out, functools.partial(loss_func, mb)
 
@@ -795,7 +1084,12 @@ class MegatronPolicy:
             values.append(value.detach().float())
             return value
 
-        self._run(self._microbatches(batch), batch.response_ids.shape[1], entropy, surrogate, forward_only=False)
+        mbs = self._microbatches(batch)
+        if self.balance is not None:
+            self.balance.start(mbs, self.dp_group)
+        self._run(mbs, batch.response_ids.shape[1], entropy, surrogate, forward_only=False)
+        if self.balance is not None:
+            self.last_router_stats = self.balance.finish(self.dp_group, self.pp_group if self.pp > 1 else None)
         with cpu_compat.device_scope():
             # DP all-reduce (SUM) and the tied-embedding sync; num_tokens=None: no division by a token count.
             finalize_model_grads([self.model], num_tokens=None)
@@ -831,7 +1125,10 @@ class MegatronPolicy:
         self.model.zero_grad_buffer()
         if not skipped:
             self.updates += 1
-        return {"grad_norm": grad_norm, "lr": step_lr, "skipped": float(skipped), "surrogate": surrogate}
+        out = {"grad_norm": grad_norm, "lr": step_lr, "skipped": float(skipped), "surrogate": surrogate}
+        if self.balance is not None:
+            out.update(self.last_router_stats)
+        return out
 
     def _any_rank(self, flag: bool) -> bool:
         return distributed.any_rank(flag)
@@ -841,12 +1138,13 @@ class MegatronPolicy:
         if self._any_rank(not (math.isfinite(surrogate) and math.isfinite(grad_norm))):
             return grad_norm, True
         coeff = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0
-        for p in self.gpt.parameters():
+        trained = [p for p in self.gpt.parameters() if p.requires_grad]
+        for p in trained:
             g = p.main_grad if coeff == 1.0 else p.main_grad * coeff
             p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
         set_group_hyperparameters(self.optimizer.param_groups, step_lr, self.cfg.policy.weight_decay)
         self.optimizer.step()
-        for p in self.gpt.parameters():
+        for p in trained:
             p.grad = None
         return grad_norm, False
 
@@ -869,17 +1167,28 @@ class MegatronPolicy:
         return grad_norm, False
 
     def grad_norm(self) -> float:
-        """L2 norm of the accumulated gradient of the whole model (TP / PP reduced; replicas counted once)."""
+        """L2 norm of the accumulated gradient of the whole model (TP / PP reduced; replicas counted once).
+
+        Expert weights (mcore marks them ``allreduce=False``) are distinct on every rank of the expert-parallel
+        group and never split over TP (expert TP 1): their squares are summed over that group and PP instead.
+        """
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
         from megatron.core.transformer.module import param_is_not_shared
 
         sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        expert_sq = torch.zeros((), dtype=torch.float32, device=self.device)
         for p in self.gpt.parameters():
-            if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
+            if not p.requires_grad or not param_is_not_shared(p):
+                continue
+            if not getattr(p, "allreduce", True):
+                expert_sq += p.main_grad.float().pow(2).sum()
+            elif param_is_not_tensor_parallel_duplicate(p):
                 sq += p.main_grad.float().pow(2).sum()
         distributed.all_reduce(sq, group=ps.get_model_parallel_group())
-        return float(sq.sqrt())
+        if self.spec.is_moe:
+            distributed.all_reduce(expert_sq, group=ps.get_expert_tensor_model_pipeline_parallel_group())
+        return float((sq + expert_sq).sqrt())
 
     # ------------------------------------------------------------------------------------------------------------------
     # Weights, checkpoints, offload.
@@ -891,6 +1200,7 @@ class MegatronPolicy:
             self.spec,
             tp_group=self.tp_group if self.tp > 1 else None,
             pp_group=self.pp_group if self.pp > 1 else None,
+            ep_group=self.ep_group if self.ep > 1 else None,
             bucket_bytes=self.cfg.generation.refit_bucket_mb * 2**20,
         )
 
@@ -907,11 +1217,14 @@ class MegatronPolicy:
                 f"{self.dp_size} each rank holds only its shard of the reduced gradient; use "
                 "policy.use_distributed_optimizer=false (or DP 1) to read the full gradient"
             )
+        # A frozen parameter (the MoE router by default) has no gradient buffer: its update is zero.
+        grads = {n: p.main_grad if p.requires_grad else torch.zeros_like(p) for n, p in self.gpt.named_parameters()}
         yield from weights.export_hf(
-            {name: p.main_grad for name, p in self.gpt.named_parameters()},
+            grads,
             self.spec,
             tp_group=self.tp_group if self.tp > 1 else None,
             pp_group=self.pp_group if self.pp > 1 else None,
+            ep_group=self.ep_group if self.ep > 1 else None,
             bucket_bytes=self.cfg.generation.refit_bucket_mb * 2**20,
         )
 
@@ -970,6 +1283,7 @@ class MegatronPolicy:
             "updates": self.updates,
             "tensor_parallel_size": self.tp,
             "pipeline_parallel_size": self.pp,
+            "expert_parallel_size": self.ep,
             "dtype": self.cfg.policy.dtype,
             "vocab_size": self.spec.vocab_size,
             "padded_vocab_size": self.padded_vocab,
@@ -1011,12 +1325,13 @@ class MegatronPolicy:
             self._move_optimizer(torch.device("cpu"))
             self._offloaded.add("optimizer")
         if weights and "weights" not in self._offloaded:
-            buffers = self.model.buffers if self.trainable else []
+            buffers = self._param_buffers()
             for buffer in buffers:
                 if buffer.param_data is not None:
                     buffer.offload_to_cpu(move_params=True, move_grads=False)
-            if not any(buffer.param_data is not None for buffer in buffers):
-                for p in self.gpt.parameters():
+            in_buffers = any(buffer.param_data is not None for buffer in buffers)
+            for p in self.gpt.parameters():
+                if not in_buffers or not p.requires_grad:  # a frozen router is in no buffer
                     p.data = p.data.to("cpu", non_blocking=True)
             self._offloaded.add("weights")
         torch.cuda.synchronize()
@@ -1027,18 +1342,25 @@ class MegatronPolicy:
         if not self.on_gpu or not self._offloaded:
             return
         if "weights" in self._offloaded:
-            buffers = self.model.buffers if self.trainable else []
+            buffers = self._param_buffers()
             for buffer in buffers:
                 if buffer.param_data is not None:
                     buffer.reload_from_cpu(move_params=True, move_grads=False)
-            if not any(buffer.param_data is not None for buffer in buffers):
-                for p in self.gpt.parameters():
+            in_buffers = any(buffer.param_data is not None for buffer in buffers)
+            for p in self.gpt.parameters():
+                if not in_buffers or not p.requires_grad:
                     p.data = p.data.to(self.device, non_blocking=True)
         if "optimizer" in self._offloaded:
             self.model.restore_grad_buffers(synchronize=False)
             self._move_optimizer(self.device)
         torch.cuda.synchronize()
         self._offloaded.clear()
+
+    def _param_buffers(self) -> list[Any]:
+        """Megatron DDP's parameter / gradient buffers: the dense ones and, for MoE, the experts' own."""
+        if not self.trainable:
+            return []
+        return list(self.model.buffers) + list(getattr(self.model, "expert_parallel_buffers", []))
 
     def _move_optimizer(self, device: torch.device) -> None:
         """Adam moments and, for bf16 / fp16 weights, the fp32 master copies (float32 masters ARE the weights)."""

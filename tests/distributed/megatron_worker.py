@@ -1,12 +1,17 @@
 """torchrun worker for the Megatron policy tests: runs one scenario, writes ``rank<R>.json`` with measurements.
 
 Scenarios (``--scenario``):
-  parallel    for each model: layout (--tp, --pp) round trip, log-probs / entropy / gradient vs transformers,
-              one optimizer update vs HFPolicy, NaN skip; then TP1 x PP1 x DP=world on the same models
-              (round trip, log-probs, gradient with the rows split over DP ranks) and layout vs TP1 gradient.
-  checkpoint  TP2 train / save / second update; re-initialise at TP1 x DP2, load, compare; convert both ways.
+  parallel    for each model: layout (--tp, --pp, and --ep for a MoE model) round trip, log-probs / entropy /
+              gradient vs transformers, one optimizer update vs HFPolicy, NaN skip; then TP1 x PP1 x DP=world
+              (EP 1) on the same models (round trip, log-probs, gradient with the rows split over DP ranks) and
+              layout vs TP1 gradient. MoE routers are trained here (freeze_router=false) so that every
+              gradient is compared with transformers'.
+  checkpoint  TP2 (x --ep) train / save / second update; re-initialise at TP1 x DP2, load, compare; convert
+              both ways.
   single      one process without torchrun (a one-rank gloo group is created): activation checkpointing,
               offload / onload, micro-batch and chunk invariance.
+  router      one process, a MoE model: the reported load-balancing loss and the gradient of the optional one
+              against transformers' router logits; a frozen router gets no update; recomputation counts once.
   gpu         CUDA only: bf16, TE spec and packing (when TE imports), distributed optimizer, offload, save / load.
   gpu_rules   one process on CPU: the GPU rules a CPU can show (optimizer decay groups of both paths, fusion
               flags against mcore's constructors, cross-spec checkpoint loads, the forward-only reference).
@@ -28,6 +33,7 @@ ENT_COEF = 0.25
 
 
 def make_cfg(world: int, tp: int = 1, pp: int = 1, **over: object):  # noqa: ANN201
+    """The test run config (fp32, lr 1e-3, clip 0.5, 30-token micro-batches); ``over``: dotted keys."""
     from nemo_disco import config
 
     raw = config.RunConfig().model_dump(mode="json")
@@ -87,15 +93,28 @@ def hf_reference(model_dir: Path, batch) -> dict:  # noqa: ANN001
     """transformers' own forward, one unpadded sequence at a time: log-probs, entropy, gradient of the surrogate.
 
     The GPU validation's reference (benchmarks/gpu_check.py), with the same temperature and surrogate as here.
+    Gradients are named as in checkpoints (a MoE layer's fused expert tensors split per expert).
     """
     import sys
+
+    from nemo_disco import weights
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     import gpu_check
 
     assert (gpu_check.TEMPERATURE, gpu_check.ENT_COEF) == (TEMPERATURE, ENT_COEF)
     ref = gpu_check.hf_reference(model_dir, batch, grads=True)
-    return {"lp": ref["lp"], "ent": ref["ent"], "grads": ref["grads"]}
+    grads = dict(weights.to_checkpoint_layout(ref["grads"].items()))
+    return {"lp": ref["lp"], "ent": ref["ent"], "grads": grads}
+
+
+def is_moe(model_dir: Path) -> bool:
+    return json.loads((Path(model_dir) / "config.json").read_text())["model_type"] == "qwen3_moe"
+
+
+def moe_over(model_dir: Path, ep: int) -> dict:
+    """Config overrides of a MoE model: ``ep``-way expert parallelism, the router trained (compared with HF's)."""
+    return {"policy.expert_parallel_size": ep, "policy.freeze_router": False} if is_moe(model_dir) else {}
 
 
 def max_diff(a: dict, b: dict) -> float:
@@ -111,6 +130,15 @@ def round_trip(policy, model_dir: Path) -> dict:  # noqa: ANN001
         "names_equal": sorted(got) == sorted(ref),
         "not_bit_exact": sorted(k for k in ref if k not in got or not torch.equal(got[k], ref[k])),
     }
+
+
+def dist_all_floats(value: float, group) -> list[float]:  # noqa: ANN001
+    """``value`` of every rank of ``group``."""
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, value, group=group)
+    return out
 
 
 def rank_spread(t: torch.Tensor) -> float:
@@ -141,10 +169,11 @@ def check_model(policy, model_dir: Path, batch, ref: dict, rows: torch.Tensor | 
     return out, grads
 
 
-def train_vs_hf(policy, cfg_hf, model_dir: Path, batch) -> dict:  # noqa: ANN001
+def train_vs_hf(policy, cfg_hf, model_dir: Path, batch, rows: torch.Tensor | None = None) -> dict:  # noqa: ANN001
     """One clipped AdamW update against HFPolicy's, then a NaN surrogate that must be skipped.
 
-    HFPolicy is data-parallel over the whole world: each rank gives it its share of the rows.
+    HFPolicy is data-parallel over the whole world: each rank gives it its share of the rows. ``rows``: the
+    Megatron policy's own share (None: the whole batch, at data-parallel size 1).
     """
     import torch.distributed as dist
 
@@ -152,9 +181,14 @@ def train_vs_hf(policy, cfg_hf, model_dir: Path, batch) -> dict:  # noqa: ANN001
 
     coef = coefficients(len(batch))
     hf = HFPolicy(cfg_hf, model_dir)
-    ours = policy.train_minibatch(batch, surrogate(coef), entropy=True)
-    rows = torch.arange(len(batch))[hf.dp_rank :: hf.dp_size]
-    theirs = hf.train_minibatch(batch.select(rows), surrogate(coef, rows), entropy=True)
+    if rows is None:
+        ours = policy.train_minibatch(batch, surrogate(coef), entropy=True)
+    else:
+        ours = policy.train_minibatch(batch.select(rows), surrogate(coef, rows), entropy=True)
+        ours["surrogate"] = sum(dist_all_floats(ours["surrogate"], policy.dp_group))
+    router_stats = {k: v for k, v in ours.items() if k.startswith("router_")}
+    hf_rows = torch.arange(len(batch))[hf.dp_rank :: hf.dp_size]
+    theirs = hf.train_minibatch(batch.select(hf_rows), surrogate(coef, hf_rows), entropy=True)
     hf_total = torch.tensor([theirs["surrogate"]], dtype=torch.float64)
     dist.all_reduce(hf_total)
     theirs["surrogate"] = float(hf_total)
@@ -169,6 +203,7 @@ def train_vs_hf(policy, cfg_hf, model_dir: Path, batch) -> dict:  # noqa: ANN001
         "hf_surrogate": theirs["surrogate"],
         "weights_diff": max_diff(after, hf_after),
         "updates": policy.updates,
+        "router_stats": router_stats,
     }
     nan = policy.train_minibatch(batch, lambda rows, lp, ent: lp.sum() * float("nan"), entropy=True)
     unchanged = all(torch.equal(t, after[name]) for name, t in policy.export_weights())
@@ -189,11 +224,27 @@ def scenario_parallel(args: argparse.Namespace, world: int, rank: int) -> dict:
     for model_dir in map(Path, args.models):
         name = model_dir.name
         ref = refs[name]
-        policy = MegatronPolicy(make_cfg(world, args.tp, args.pp), model_dir, vocab_multiple=args.vocab_multiple)
-        res, layout_grads[name] = check_model(policy, model_dir, batch, ref, rows=None)
+        over = moe_over(model_dir, args.ep)
+        cfg = make_cfg(world, args.tp, args.pp, **over)
+        policy = MegatronPolicy(cfg, model_dir, vocab_multiple=args.vocab_multiple)
+        # Data-parallel ranks (TP1 x EP2 has two) each take a share of the rows, of unequal sizes: the ranks of
+        # an expert-parallel group then run different numbers of micro-batches.
+        rows = None
+        if policy.dp_size > 1:
+            shares = torch.arange(len(batch)).tensor_split([3 * len(batch) // 4]) if policy.dp_size == 2 else None
+            rows = shares[policy.dp_rank] if shares else torch.arange(len(batch))[policy.dp_rank :: policy.dp_size]
+        res, layout_grads[name] = check_model(policy, model_dir, batch, ref, rows=rows)
         res["is_policy"] = isinstance(policy, Policy)
         res["dp"] = [policy.dp_rank, policy.dp_size]
-        res["train"] = train_vs_hf(policy, make_cfg(1, **{"policy.backend": "hf"}), model_dir, batch)
+        res["ep"] = policy.ep
+        if policy.ep > 1:  # micro-batches added to keep the expert-parallel group in step
+            res["fillers"] = sum(
+                mb.filler for mb in policy._microbatches(batch if rows is None else batch.select(rows))
+            )
+        hf_over = {"policy.backend": "hf", "policy.freeze_router": False}
+        res["train"] = train_vs_hf(policy, make_cfg(1, **hf_over), model_dir, batch, rows)
+        if is_moe(model_dir):
+            res["hf_balance_loss"] = float(hf_router_balance(model_dir, batch)[1].mean())
         results[name] = {"layout": res}
         del policy
     dist.barrier()
@@ -201,7 +252,8 @@ def scenario_parallel(args: argparse.Namespace, world: int, rank: int) -> dict:
     for model_dir in map(Path, args.models):
         name = model_dir.name
         ref = refs[name]
-        policy = MegatronPolicy(make_cfg(world, 1, 1), model_dir, vocab_multiple=args.vocab_multiple)
+        cfg = make_cfg(world, 1, 1, **moe_over(model_dir, 1))
+        policy = MegatronPolicy(cfg, model_dir, vocab_multiple=args.vocab_multiple)
         rows = torch.arange(len(batch))[policy.dp_rank :: policy.dp_size]
         res, grads = check_model(policy, model_dir, batch, ref, rows=rows)
         res["dp"] = [policy.dp_rank, policy.dp_size]
@@ -215,7 +267,7 @@ def scenario_checkpoint(args: argparse.Namespace, world: int, rank: int) -> dict
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from nemo_disco import config, convert
+    from nemo_disco import config, convert, weights
     from nemo_disco.policy.megatron import MegatronPolicy
 
     model_dir = Path(args.models[0])
@@ -223,7 +275,7 @@ def scenario_checkpoint(args: argparse.Namespace, world: int, rank: int) -> dict
     step = out / "checkpoints" / "step_1"
     batch, batch2 = make_batch(0), make_batch(1)
     coef = coefficients(len(batch))
-    cfg_tp2 = make_cfg(world, tp=2)
+    cfg_tp2 = make_cfg(world, tp=2, **moe_over(model_dir, args.ep))
     a = MegatronPolicy(cfg_tp2, model_dir, vocab_multiple=args.vocab_multiple)
     a.train_minibatch(batch, surrogate(coef), entropy=True)
     a.save(step / "policy")
@@ -236,7 +288,7 @@ def scenario_checkpoint(args: argparse.Namespace, world: int, rank: int) -> dict
     w2 = {name: t.clone() for name, t in a.export_weights()}
     del a
     # Reshard: TP1 x DP2, each rank with half of the rows (summed over DP = the full-batch gradient).
-    b = MegatronPolicy(make_cfg(world, tp=1), model_dir, vocab_multiple=args.vocab_multiple)
+    b = MegatronPolicy(make_cfg(world, tp=1, **moe_over(model_dir, 1)), model_dir, vocab_multiple=args.vocab_multiple)
     b.load(step / "policy")
     res: dict = {"updates_after_load": b.updates, "dp": [b.dp_rank, b.dp_size]}
     lp_b, _ = b.logprobs(batch)
@@ -255,6 +307,7 @@ def scenario_checkpoint(args: argparse.Namespace, world: int, rank: int) -> dict
             hf = AutoModelForCausalLM.from_pretrained(str(out / tag), dtype=torch.float32)
             tok = AutoTokenizer.from_pretrained(str(out / tag))
             loaded = dict(hf.named_parameters())
+            loaded = dict(weights.to_checkpoint_layout(loaded.items()))
             res[tag] = {
                 "not_bit_exact": sorted(k for k in w1 if not torch.equal(loaded[k].detach(), w1[k])),
                 "tokenizer_vocab": len(tok),
@@ -264,7 +317,7 @@ def scenario_checkpoint(args: argparse.Namespace, world: int, rank: int) -> dict
     dist.barrier()
     # HF -> Megatron at TP2, then used as a model_dir at PP2: the weights come back bit-exactly.
     convert.hf_to_megatron(model_dir, out / "converted", tp=2, vocab_multiple=args.vocab_multiple)
-    c = MegatronPolicy(make_cfg(world, pp=2), out / "converted")
+    c = MegatronPolicy(make_cfg(world, pp=2, **moe_over(model_dir, 1)), out / "converted")
     res["converted_at_pp2"] = round_trip(c, model_dir)
     res["converted_updates"] = c.updates
     return res
@@ -289,6 +342,97 @@ def scenario_single(args: argparse.Namespace, world: int, rank: int) -> dict:
         lp, _ = policy.logprobs(batch)
         out["lp_diff_after_offload"] = float((lp - ref["lp"]).abs().max())
         res[tag] = out
+    return res
+
+
+def hf_router_balance(model_dir: Path, batch) -> tuple:  # noqa: ANN001
+    """transformers' per-layer load-balancing losses of ``batch`` (differentiable) and the model.
+
+    The batch is laid out as the policy lays it out (each sequence from position 0, padding after it), the
+    routers' logits are captured; per layer over the N real tokens: f_i = top-k picks of expert i / (N k),
+    P_i = mean softmax probability of expert i, loss = E sum_i f_i P_i.
+    """
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    experts, k = hf.config.num_experts, hf.config.num_experts_per_tok
+    lens = (batch.prompt_mask.sum(1) + batch.response_mask.sum(1)).tolist()
+    width = max(lens)
+    ids = torch.zeros(len(batch), width, dtype=torch.long)
+    for i in range(len(batch)):
+        seq = torch.cat([batch.prompt_ids[i][batch.prompt_mask[i]], batch.response_ids[i][batch.response_mask[i]]])
+        ids[i, : len(seq)] = seq
+    real = torch.arange(width).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)  # [B, S]
+    logits: list[torch.Tensor] = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda m, a, out: logits.append(out[0])) for layer in hf.model.layers]
+    hf(input_ids=ids, attention_mask=real.long())
+    for h in hooks:
+        h.remove()
+    per_layer = []
+    for lg in logits:  # [B * S, E], batch-major
+        scores = torch.softmax(lg[real.reshape(-1)].float(), -1)  # [N, E]
+        n = scores.shape[0]
+        picks = torch.zeros_like(scores).scatter_(1, scores.topk(k, dim=-1).indices, 1.0).sum(0)  # [E]
+        per_layer.append(experts / (k * n * n) * (scores.sum(0) * picks).sum())
+    return hf, torch.stack(per_layer)
+
+
+def scenario_router(args: argparse.Namespace, world: int, rank: int) -> dict:
+    """A MoE model in one process: router statistics and the optional load-balancing loss against transformers.
+
+    Reference: transformers' forward of the same padded batch (sequences from position 0), its routers'
+    logits captured; per layer over the real tokens, f_i = top-k picks of expert i / (N k), P_i = mean softmax
+    probability, loss = E sum_i f_i P_i. Megatron's gradient with router_aux_loss_coef = c minus its gradient
+    with c = 0 must equal c x d(sum over layers of the loss)/d theta (one micro-batch, one rank).
+    """
+    from nemo_disco import weights
+    from nemo_disco.policy.megatron import MegatronPolicy, is_router
+
+    model_dir = Path(args.models[0])
+    batch = make_batch()
+    coef = coefficients(len(batch))
+    one_mb = {"policy.microbatch_tokens": 100_000}
+    res: dict = {}
+
+    hf, aux = hf_router_balance(model_dir, batch)
+    res["hf_balance_loss"] = float(aux.mean().detach())
+    hf.zero_grad()
+    aux.sum().backward()
+    aux_grad = {n: p.grad.clone() for n, p in hf.named_parameters() if p.grad is not None}
+    aux_grad = dict(weights.to_checkpoint_layout(aux_grad.items()))
+
+    def grads_with(c: float, **over: object) -> tuple[dict, dict]:
+        cfg = make_cfg(1, **{"policy.router_aux_loss_coef": c, "policy.freeze_router": False, **one_mb, **over})
+        policy = MegatronPolicy(cfg, model_dir, vocab_multiple=args.vocab_multiple)
+        policy.accumulate_gradients(batch, surrogate(coef), entropy=True)
+        return {n: g.clone() for n, g in policy.export_gradients()}, dict(policy.last_router_stats)
+
+    base, stats = grads_with(0.0)
+    res["stats"] = stats
+    c = 0.5
+    with_aux, stats_aux = grads_with(c)
+    res["stats_with_aux"] = stats_aux
+    res["aux_grad_diff"] = max(float(((with_aux[n] - base[n]) - c * aux_grad.get(n, 0.0)).abs().max()) for n in base)
+    res["aux_grad_scale"] = max(float((c * g).abs().max()) for g in aux_grad.values())
+    _, stats_recompute = grads_with(0.0, **{"policy.activation_checkpointing": True})
+    res["stats_recompute"] = stats_recompute
+
+    # Frozen (the default): no gradient, no update, for the router only.
+    policy = MegatronPolicy(make_cfg(1, **one_mb), model_dir, vocab_multiple=args.vocab_multiple)
+    before = {n: t.clone() for n, t in policy.export_weights()}
+    out = policy.train_minibatch(batch, surrogate(coef), entropy=True)
+    after = dict(policy.export_weights())
+    res["frozen_train"] = {k_: v for k_, v in out.items()}
+    res["frozen_requires_grad"] = sorted(
+        n for n, p in policy.gpt.named_parameters() if is_router(n) and p.requires_grad
+    )
+    res["router_changed"] = sorted(
+        n for n in before if n.endswith("mlp.gate.weight") and not torch.equal(before[n], after[n])
+    )
+    res["others_unchanged"] = sorted(
+        n for n in before if not n.endswith("mlp.gate.weight") and torch.equal(before[n], after[n])
+    )
+    res["routers"] = sorted(n for n in before if n.endswith("mlp.gate.weight"))
     return res
 
 
@@ -483,20 +627,63 @@ def launch(scenario: str, models: list[Path], out: Path, nproc: int, timeout: in
 # pytest side. Each test_megatron_<layout>.py builds the models with `build_models`, defines a module-scoped
 # `parallel_results` fixture (one `parallel` launch) and imports the checks below, which pytest then collects.
 
+_LLAMA31_ROPE = {  # Llama-3.1-8B's config.json rope_scaling
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+# One tiny model per family, shaped like the real checkpoints (tiny settings, transformers config overrides).
 MODELS = {
-    "qwen2_tied": {"architecture": "qwen2", "tie_word_embeddings": True},
-    "qwen2_untied": {"architecture": "qwen2", "tie_word_embeddings": False},
-    "llama": {"architecture": "llama", "tie_word_embeddings": False},
+    # DeepSeek-R1-Distill-Qwen-1.5B: Qwen2, q / k / v biases, tied embeddings.
+    "qwen2_tied": ({"architecture": "qwen2", "tie_word_embeddings": True}, {}),
+    # Qwen2.5-7B / Qwen2.5-Math-7B: untied embeddings, rope theta 1e6.
+    "qwen25_untied": (
+        {"architecture": "qwen2", "tie_word_embeddings": False},
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
+    ),
+    # Llama-3.1-8B(-Instruct): untied, llama3 rope scaling.
+    "llama31": ({"architecture": "llama", "tie_word_embeddings": False}, {"rope_parameters": _LLAMA31_ROPE}),
+    # Qwen3-4B: q / k norms, no biases, head_dim 32 != hidden 64 / 4 heads (the real one: 2560 / 32 heads of 128),
+    # tied embeddings.
+    "qwen3_tied": (
+        {"architecture": "qwen3", "head_dim": 32, "tie_word_embeddings": True},
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
+    ),
+    # Qwen3-30B-A3B: every layer MoE (here 4 experts, top-2, renormalised), no shared expert, untied.
+    "qwen3_moe": (
+        {"architecture": "qwen3_moe", "head_dim": 32, "tie_word_embeddings": False, "moe_intermediate_size": 32},
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
+    ),
 }
 TOL = 1e-5
 
 
 def build_models(root: Path, names: tuple[str, ...] = tuple(MODELS)) -> list[Path]:
-    """Tiny random HF folders (2 layers, hidden 64, GQA 4 / 2, vocab 128), one per name."""
+    """Tiny random HF folders (2 layers, hidden 64, GQA 4 / 2, vocab 128), one per name.
+
+    Every norm weight is drawn around 1 (transformers initialises them to exactly 1), so that a norm loaded
+    into the wrong place (q_norm as k_norm, say) changes the log-probs.
+    """
+    from safetensors.torch import load_file, save_file
+
     from nemo_disco.config import TinyModelConfig
     from nemo_disco.tiny import build_model
 
-    return [build_model(TinyModelConfig(**MODELS[n]), root / n, seed=i) for i, n in enumerate(names)]
+    out = []
+    for i, name in enumerate(names):
+        tiny, overrides = MODELS[name]
+        folder = build_model(TinyModelConfig(**tiny), root / name, seed=i, hf_overrides=overrides)
+        state = load_file(str(folder / "model.safetensors"))
+        g = torch.Generator().manual_seed(100 + i)
+        for key, t in state.items():
+            if key.endswith("norm.weight"):
+                state[key] = 1.0 + 0.1 * torch.randn(t.shape, generator=g)
+        save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        out.append(folder)
+    return out
 
 
 def _phases(results: list[dict]):  # noqa: ANN202
@@ -545,6 +732,18 @@ def test_update_matches_hf_policy(parallel_results: list[dict]) -> None:
         assert t["weights_diff"] <= TOL, (where, t["weights_diff"])
 
 
+def test_router_statistics_match_transformers(parallel_results: list[dict]) -> None:
+    """A MoE model's reported load-balancing loss (summed over DP / TP slices / PP stages) is transformers'."""
+    seen = 0
+    for where, res in _phases(parallel_results):
+        if "hf_balance_loss" in res:
+            stats = res["train"]["router_stats"]
+            assert abs(stats["router_balance_loss"] - res["hf_balance_loss"]) <= TOL, (where, stats, res)
+            assert 1.0 <= stats["router_max_load"] <= 2.0, where  # E x max_i f_i; top-2 of 4 experts: <= 4 / 2
+            seen += 1
+    assert seen == len(parallel_results), "every rank reports the MoE model's router statistics"
+
+
 def test_non_finite_surrogate_skips_the_update(parallel_results: list[dict]) -> None:
     for where, res in _phases(parallel_results):
         if "train" in res:
@@ -554,11 +753,14 @@ def test_non_finite_surrogate_skips_the_update(parallel_results: list[dict]) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--scenario", required=True, choices=["parallel", "checkpoint", "single", "gpu", "gpu_rules"])
+    parser.add_argument(
+        "--scenario", required=True, choices=["parallel", "checkpoint", "single", "router", "gpu", "gpu_rules"]
+    )
     parser.add_argument("--models", nargs="+", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size of MoE models")
     parser.add_argument("--vocab-multiple", type=int, default=96)
     args = parser.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -567,6 +769,7 @@ def main() -> None:
         "parallel": scenario_parallel,
         "checkpoint": scenario_checkpoint,
         "single": scenario_single,
+        "router": scenario_router,
         "gpu": scenario_gpu,
         "gpu_rules": scenario_gpu_rules,
     }[args.scenario]

@@ -1,9 +1,9 @@
-"""Checkpoints and conversion (torchrun, 2 processes, gloo; Qwen2 with tied embeddings, padded vocabulary).
+"""Checkpoints and conversion (torchrun, 2 processes, gloo; padded vocabulary).
 
-One launch: train one update at TP2 and save ``checkpoints/step_1/{policy/, config.yaml}``, take a second
-update; re-initialise at TP1 x DP2, load the TP2 checkpoint and take the same second update; convert the step
-to Hugging Face (from the step dir and from its policy/ dir); convert the HF folder to Megatron at TP2 and use
-it as the model of a PP2 policy.
+One launch per model (Qwen2 with tied embeddings; Qwen3-MoE, saved at TP2 x EP2): train one update at TP2 and
+save ``checkpoints/step_1/{policy/, config.yaml}``, take a second update; re-initialise at TP1 x DP2 (EP1), load
+the checkpoint and take the same second update; convert the step to Hugging Face (from the step dir and from its
+policy/ dir); convert the HF folder to Megatron at TP2 and use it as the model of a PP2 policy.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import pytest
 from megatron_worker import TEMPERATURE, TOL, build_models, launch
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    models = build_models(tmp_path_factory.mktemp("models"), ("qwen2_tied",))
-    return launch("checkpoint", models, tmp_path_factory.mktemp("ckpt"), nproc=2)
+@pytest.fixture(scope="module", params=["qwen2_tied", "qwen3_moe"])
+def results(request, tmp_path_factory):
+    models = build_models(tmp_path_factory.mktemp("models"), (request.param,))
+    return launch("checkpoint", models, tmp_path_factory.mktemp("ckpt"), nproc=2, ep=2)
 
 
 def test_tp2_checkpoint_loads_at_tp1_with_the_same_logprobs(results):

@@ -1,7 +1,8 @@
 """Megatron policy at PP 2 (torchrun, 2 processes, gloo): 1F1B schedule with variable micro-batch shapes.
 
-Checks Qwen2 (tied: the output layer on the last stage is a synced copy of the embedding) and untied, and
-Llama, then TP1 x DP2 on the same models (shared checks in megatron_worker.py).
+Checks one tiny model per family (Qwen2 tied: the output layer on the last stage is a synced copy of the
+embedding; Qwen2.5 and Llama 3.1 untied; Qwen3; Qwen3-MoE with one MoE layer per stage), then TP1 x DP2 on
+the same models (shared checks in megatron_worker.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from megatron_worker import (  # noqa: F401  (pytest collects the imported check
     test_logprobs_and_entropy_match_transformers,
     test_non_finite_surrogate_skips_the_update,
     test_round_trip_is_bit_exact,
+    test_router_statistics_match_transformers,
     test_update_matches_hf_policy,
 )
 
@@ -22,5 +24,5 @@ from megatron_worker import (  # noqa: F401  (pytest collects the imported check
 def parallel_results(tmp_path_factory):
     models = build_models(tmp_path_factory.mktemp("models"))
     results = launch("parallel", models, tmp_path_factory.mktemp("pp2"), nproc=2, tp=1, pp=2)
-    assert [r["llama"]["layout"]["dp"] for r in results] == [[0, 1], [0, 1]]  # PP2 x DP1
+    assert [r["llama31"]["layout"]["dp"] for r in results] == [[0, 1], [0, 1]]  # PP2 x DP1
     return results

@@ -61,9 +61,11 @@ def test_megatron_tp2_policy_with_transformers_generator(tmp_path):
     res = _torchrun(run, "policy.backend=megatron", "policy.tensor_parallel_size=2", "policy.dtype=float32")
     assert res.returncode == 0, res.stderr[-4000:]
     _check_metrics(run)
-    from nemo_disco.convert import megatron_to_hf
-
-    megatron_to_hf(run / "checkpoints" / "step_3", tmp_path / "hf")
+    # The CLI converts in a process of its own (in this one it would leave a process group behind, which
+    # tests/unit/test_distributed.py then finds).
+    cmd = [sys.executable, "-m", "nemo_disco.cli", "convert", "--checkpoint", str(run / "checkpoints" / "step_3")]
+    converted = run_group([*cmd, "--out", str(tmp_path / "hf")], cwd=ROOT, env={**os.environ, **THREADS}, timeout=300)
+    assert converted.returncode == 0, converted.stderr[-3000:]
     init = _weights(run / "init_model")
     final = _weights(tmp_path / "hf")
     assert set(final) >= {k for k in init if k != "lm_head.weight"}

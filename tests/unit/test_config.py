@@ -41,7 +41,7 @@ def test_exemplar_states_every_schema_field():
 
     def leaves(d, prefix=""):
         for k, v in d.items():
-            if isinstance(v, dict):
+            if isinstance(v, dict) and v:
                 yield from leaves(v, f"{prefix}{k}.")
             else:
                 yield f"{prefix}{k}"
@@ -97,6 +97,11 @@ def test_nested_defaults(tmp_path):
         ("data.on_bad_row=ignore", "data.on_bad_row='ignore'"),
         ("loss.name=grpo_er", "loss.name=grpo_er needs loss.entropy_coef > 0"),
         ("data.val_every=5", "data.val_every=5 needs data.val"),
+        ("policy.expert_parallel_size=3", "policy.expert_parallel_size=3 must divide the ranks of a pipeline stage"),
+        ("policy.router_dtype=bfloat16", "policy.router_dtype='bfloat16'"),
+        ("policy.tiny.hidden_size=62", "hidden_size=62 must be divisible by num_attention_heads=4 (or set head_dim)"),
+        ("policy.tiny.num_experts_per_tok=5", "num_experts_per_tok=5 must not exceed num_experts=4"),
+        ("data.chat_template_kwargs=3", "data.chat_template_kwargs=3"),
         ("nonsense=1", "unknown config key 'nonsense'"),
         ("loss", "is not of the form key=value"),
     ],
@@ -181,3 +186,18 @@ def test_generation_engines_fit_a_node():
     # Policy TP 2 with generation TP 1 (the 7B / 8B recipes) is a valid pairing: generation is split by engine.
     raw = {**base, "policy": {**base["policy"], "tensor_parallel_size": 2}}
     assert config.validate(raw).generation.tensor_parallel_size == 1
+
+
+def test_chat_template_kwargs_take_entries_from_overrides():
+    cfg = config.load(EXEMPLAR, ["data.chat_template_kwargs.enable_thinking=false"])
+    assert cfg.data.chat_template_kwargs == {"enable_thinking": False}
+    assert config.load(EXEMPLAR).data.chat_template_kwargs == {}
+    with pytest.raises(ConfigError, match="unknown config key 'data.chat_template_kwarg.enable_thinking'"):
+        config.load(EXEMPLAR, ["data.chat_template_kwarg.enable_thinking=false"])
+
+
+def test_tiny_qwen3_may_set_head_dim_apart_from_hidden_over_heads():
+    cfg = config.load(
+        EXEMPLAR, ["policy.tiny.architecture=qwen3", "policy.tiny.hidden_size=62", "policy.tiny.head_dim=32"]
+    )
+    assert (cfg.policy.tiny.hidden_size, cfg.policy.tiny.head_dim) == (62, 32)

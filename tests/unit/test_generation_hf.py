@@ -159,3 +159,33 @@ def test_vllm_generator_without_vllm_says_how_to_install_it(tiny_qwen2):
 
     with pytest.raises(ConfigError, match="make setup-vllm"):
         VLLMGenerator(tiny_qwen2)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_moe(tmp_path_factory):
+    from nemo_disco.config import TinyModelConfig
+    from nemo_disco.tiny import build_model
+
+    tiny = TinyModelConfig(architecture="qwen3_moe", head_dim=32, tie_word_embeddings=False)
+    return build_model(tiny, tmp_path_factory.mktemp("q3moe"), seed=3)
+
+
+def test_moe_experts_refit_by_checkpoint_name_into_the_fused_tensors(tiny_qwen3_moe):
+    """Policies export each expert (checkpoint names); the generator fuses them into transformers' tensors."""
+    names = [n for n, _ in policy_for(tiny_qwen3_moe).export_weights()]
+    assert "model.layers.1.mlp.experts.3.up_proj.weight" in names
+    assert not any(n.endswith("gate_up_proj") for n in names)
+    check_refit_changes_outputs_and_logprobs_match(_make, tiny_qwen3_moe)
+    check_greedy_equals_transformers(_make, tiny_qwen3_moe)
+    gen = _make(tiny_qwen3_moe)
+    weights = [(n, t) for n, t in policy_for(tiny_qwen3_moe).export_weights()]
+    with pytest.raises(ValueError, match=r"left out expert tensors of 1 fused tensor\(s\)"):
+        gen.update_weights([(n, t) for n, t in weights if n != "model.layers.0.mlp.experts.2.down_proj.weight"])
+
+
+def test_the_transformers_policy_freezes_an_moe_router_by_default(tiny_qwen3_moe):
+    frozen = policy_for(tiny_qwen3_moe)
+    assert [n for n, p in frozen.model.named_parameters() if not p.requires_grad] == [
+        "model.layers.0.mlp.gate.weight",
+        "model.layers.1.mlp.gate.weight",
+    ]

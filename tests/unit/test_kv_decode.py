@@ -58,7 +58,26 @@ def tiny_llama(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("arch", ["tiny_qwen2", "tiny_llama"])
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory):
+    """A random 2-layer Qwen3 with q / k norms and head_dim 32 != hidden 64 / 4 heads (the Qwen3-4B layout)."""
+    from nemo_disco.config import TinyModelConfig
+    from nemo_disco.tiny import build_model
+
+    return build_model(TinyModelConfig(architecture="qwen3", head_dim=32), tmp_path_factory.mktemp("q3"), seed=1)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_moe(tmp_path_factory):
+    """A random 2-layer Qwen3-MoE: 4 experts, top-2 renormalised, untied embeddings (the Qwen3-30B-A3B layout)."""
+    from nemo_disco.config import TinyModelConfig
+    from nemo_disco.tiny import build_model
+
+    tiny = TinyModelConfig(architecture="qwen3_moe", head_dim=32, tie_word_embeddings=False)
+    return build_model(tiny, tmp_path_factory.mktemp("q3moe"), seed=2)
+
+
+@pytest.mark.parametrize("arch", ["tiny_qwen2", "tiny_llama", "tiny_qwen3", "tiny_qwen3_moe"])
 @pytest.mark.parametrize("name", list(SAMPLINGS))
 def test_kv_loop_equals_transformers_generate(arch, name, request):
     model_dir = request.getfixturevalue(arch)

@@ -140,7 +140,57 @@ EXPECTED: dict[str, dict] = {
     ),
 }
 
-PAPER_RECIPES = sorted(p.stem for p in RECIPES.glob("*.yaml") if p.stem not in NOT_PAPER_RUNS)
+# Model-family recipes (not paper runs): the paper's objective and data on the families users train now, with the
+# values their sources give (model cards, NeMo-RL and verl recipes; each recipe line cites its source).
+FAMILY_EXPECTED: dict[str, dict] = {
+    "disco-logl-qwen3-4b-1n8g-16k": {
+        "policy.model_path": "Qwen/Qwen3-4B",
+        "policy.lr": 1e-6,
+        "generation.max_response_tokens": 16384,
+        "data.chat_template_kwargs": {"enable_thinking": True},
+        "cluster.nodes": 1,
+    },
+    "disco-logl-qwen3-8b-2n8g-16k": {
+        "policy.model_path": "Qwen/Qwen3-8B",
+        "policy.lr": 1e-6,
+        "policy.tensor_parallel_size": 2,
+        "generation.max_response_tokens": 16384,
+        "data.chat_template_kwargs": {"enable_thinking": True},
+        "cluster.nodes": 2,
+    },
+    # NeMo-RL's Qwen3-30B-A3B recipe: lr 3e-7, vLLM TP 4 at 0.7 of the GPU; router frozen, no balance loss.
+    "disco-logl-qwen3-30ba3b-4n8g-16k": {
+        "policy.model_path": "Qwen/Qwen3-30B-A3B",
+        "policy.lr": 3e-7,
+        "policy.expert_parallel_size": 8,
+        "policy.freeze_router": True,
+        "policy.router_aux_loss_coef": 0.0,
+        "generation.tensor_parallel_size": 4,
+        "generation.gpu_memory_utilization": 0.7,
+        "data.chat_template_kwargs": {"enable_thinking": True},
+        "cluster.nodes": 4,
+    },
+    # Qwen2.5-Math-7B's context is 4096 tokens: 1024 prompt + 3072 response.
+    "disco-logl-qwen2.5math7b-1n8g-3k": {
+        "policy.model_path": "Qwen/Qwen2.5-Math-7B",
+        "policy.lr": 1e-6,
+        "generation.max_prompt_tokens": 1024,
+        "generation.max_response_tokens": 3072,
+        "cluster.nodes": 1,
+    },
+    # NeMo-RL's Llama-3.1-8B-Instruct recipe: lr 5e-7, PP 2, 4096 tokens in all, 500 steps.
+    "disco-logl-llama3.1-8b-instruct-1n8g-3k": {
+        "policy.model_path": "meta-llama/Llama-3.1-8B-Instruct",
+        "policy.lr": 5e-7,
+        "policy.pipeline_parallel_size": 2,
+        "generation.max_response_tokens": 3072,
+        "algorithm.steps": 500,
+        "cluster.nodes": 1,
+    },
+}
+PAPER_RECIPES = sorted(
+    p.stem for p in RECIPES.glob("*.yaml") if p.stem not in NOT_PAPER_RUNS and p.stem not in FAMILY_EXPECTED
+)
 # <algo>-<score>-<model>-<N>n<G>g-<maxlen>[-variant]; baselines have no score.
 NAME = re.compile(
     r"^(disco|discob|grpo|dr-grpo|dapo|grpo-er|gpg|trpa)(-(logl|lratio))?-r1(qwen1\.5b|qwen7b|llama8b)-\d+n\d+g-\d+k\b"
@@ -157,6 +207,32 @@ def _get(cfg: config.RunConfig, dotted: str):
 def test_every_recipe_has_a_row():
     assert PAPER_RECIPES, "no recipes found"
     assert set(PAPER_RECIPES) == set(EXPECTED), "recipes/ and the EXPECTED table must list the same runs"
+    assert all((RECIPES / f"{name}.yaml").is_file() for name in FAMILY_EXPECTED)
+
+
+FAMILY_NAME = re.compile(
+    r"^disco-(logl|lratio)-(qwen3-4b|qwen3-8b|qwen3-30ba3b|qwen2\.5math7b|llama3\.1-8b-instruct)-\d+n\d+g-\d+k$"
+)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILY_EXPECTED))
+def test_family_recipe_values_form_and_layout(name):
+    """The cited values, the paper's objective kept, a name of the recipe form, a layout that fits the cluster."""
+    cfg = config.load(RECIPES / f"{name}.yaml")
+    mismatches = {k: (_get(cfg, k), v) for k, v in FAMILY_EXPECTED[name].items() if _get(cfg, k) != v}
+    assert mismatches == {}, f"{name}: (recipe, expected) per key"
+    for key, value in {**CONSTRAINT, "loss.name": "disco", "loss.tau": 10.0, "data.train": DEEPSCALER}.items():
+        assert _get(cfg, key) == value, key  # the paper's objective and data (exemplar values)
+    assert FAMILY_NAME.match(name), name
+    assert cfg.logging.run_dir == f"runs/{name}"
+    nodes, gpus = map(int, re.search(r"-(\d+)n(\d+)g-", name).groups())
+    assert (cfg.cluster.nodes, cfg.cluster.gpus_per_node) == (nodes, gpus)
+    assert f"-{cfg.generation.max_response_tokens // 1024}k" in name
+    text = (RECIPES / f"{name}.yaml").read_text()
+    for line in text.splitlines():  # a source (or "our choice" / "assumption") on every value it sets
+        body = line.split("#", 1)[0]
+        if re.match(r"^\s+[\w.]+:\s*\S", body) and not body.strip().startswith("-"):
+            assert "#" in line, f"{name}: no source comment on {line.strip()!r}"
 
 
 @pytest.mark.parametrize("name", PAPER_RECIPES)
@@ -188,7 +264,7 @@ def test_recipe_form(name):
             assert "#" in line, f"{name}: no source comment on {line.strip()!r}"
 
 
-@pytest.mark.parametrize("name", PAPER_RECIPES)
+@pytest.mark.parametrize("name", PAPER_RECIPES + sorted(FAMILY_EXPECTED))
 def test_recipe_sets_only_what_differs_from_the_exemplar(name):
     """Each value a recipe states differs from the exemplar's, except values that document a choice in place
     (tau, clip_eps, a zero KL coefficient, overlong penalty, GPG's and TRPA's own keys, run_dir): restating those

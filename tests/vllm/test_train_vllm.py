@@ -25,7 +25,19 @@ KEYS = (
 )
 
 
-def test_three_steps_with_the_vllm_generator(tmp_path):
+# Qwen3-MoE: the transformers policy streams its fused experts one by one into vLLM's MoE layers every step.
+ARCHITECTURES = {
+    "qwen2": [],
+    "qwen3_moe": [
+        "policy.tiny.architecture=qwen3_moe",
+        "policy.tiny.head_dim=64",
+        "policy.tiny.moe_intermediate_size=64",
+    ],
+}
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_three_steps_with_the_vllm_generator(tmp_path, arch):
     run = tmp_path / "run"
     cmd = [
         sys.executable, "-m", "nemo_disco.cli", "train", "--config", str(ROOT / "recipes" / "tiny-cpu.yaml"),
@@ -37,7 +49,7 @@ def test_three_steps_with_the_vllm_generator(tmp_path):
         "algorithm.rollouts_per_prompt=4", "algorithm.warmup_sft_steps=20", "algorithm.warmup_target=null",
         "data.synthetic_size=200",
         "data.val=null", "data.val_every=0", "logging.progress=false", "logging.tensorboard=false",
-        "loss.rollout_correction=seq_tis",
+        "loss.rollout_correction=seq_tis", *ARCHITECTURES[arch],
     ]  # fmt: skip
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
