@@ -201,6 +201,7 @@ def setup(cfg: RunConfig) -> Trainer:
         template=cfg.data.prompt_template,
         use_chat_template=cfg.data.use_chat_template,
         max_prompt_tokens=cfg.generation.max_prompt_tokens,
+        chat_template_kwargs=cfg.data.chat_template_kwargs,
     )
     problems = [problems[i] for i in kept]
     if len(problems) < cfg.algorithm.prompts_per_step:
@@ -645,6 +646,7 @@ def _val_set(tr: Trainer) -> tuple[list, list[list[int]]]:
         template=cfg.data.prompt_template,
         use_chat_template=cfg.data.use_chat_template,
         max_prompt_tokens=cfg.generation.max_prompt_tokens,
+        chat_template_kwargs=cfg.data.chat_template_kwargs,
     )
     return [problems[i] for i in kept], ids
 

@@ -214,6 +214,7 @@ def _eval(args: argparse.Namespace) -> int:
             seed=args.seed,
             max_problems=args.max_problems,
             max_prompt_tokens=args.max_prompt_tokens,
+            chat_template_kwargs=_chat_template_kwargs(args.chat_template_kwargs),
             timeout_s=args.timeout,
             workers=args.workers,
             tensor_parallel_size=args.tp,
@@ -224,6 +225,19 @@ def _eval(args: argparse.Namespace) -> int:
         print(table)
         return 0
     raise UserError("eval needs --model HF_DIR or --responses RESULTS...")
+
+
+def _chat_template_kwargs(text: str | None) -> dict:
+    """``--chat-template-kwargs``: a JSON object, or None."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise UserError(f"--chat-template-kwargs {text!r} is not JSON: {err.msg}") from None
+    if not isinstance(value, dict):
+        raise UserError(f"--chat-template-kwargs {text!r} must be a JSON object")
+    return value
 
 
 def _compare(args: argparse.Namespace) -> int:
@@ -324,6 +338,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--timeout", type=float, default=5.0, help="hard per-response grading limit (seconds)")
     e.add_argument("--workers", type=int, default=2, help="grading processes")
     e.add_argument("--tp", type=int, default=1, help="vLLM tensor-parallel size")
+    e.add_argument(
+        "--chat-template-kwargs",
+        default=None,
+        help="chat-template variables as a JSON object, like data.chat_template_kwargs in training "
+        "(Qwen3: '{\"enable_thinking\": true}')",
+    )
     _add_bootstrap_flags(e)
     e.add_argument("--out", default="eval_results")
     e.set_defaults(fn=_eval)

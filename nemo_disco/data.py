@@ -29,7 +29,7 @@ import logging
 import math
 import os
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -406,6 +406,7 @@ def encode_prompts(
     template: str = DEFAULT_TEMPLATE,
     use_chat_template: bool = True,
     max_prompt_tokens: int | None = None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
 ) -> tuple[list[list[int]], list[int], int]:
     """Tokenise prompts; those longer than ``max_prompt_tokens`` are DROPPED (counted), never truncated.
 
@@ -420,6 +421,8 @@ def encode_prompts(
         template: see :func:`format_prompt`.
         use_chat_template: wrap in the chat template.
         max_prompt_tokens: longest prompt kept (None: keep all).
+        chat_template_kwargs: extra variables for the chat template (``data.chat_template_kwargs``, e.g.
+            Qwen3's ``enable_thinking``).
 
     Returns:
         (token ids of the kept prompts, indices into ``problems`` of the kept ones, number dropped).
@@ -427,7 +430,12 @@ def encode_prompts(
     texts = [format_prompt(p, template) for p in problems]
     if use_chat_template:
         rendered = [
-            tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": t}],
+                tokenize=False,
+                add_generation_prompt=True,
+                **dict(chat_template_kwargs or {}),
+            )
             for t in texts
         ]
         ids = tokenizer(rendered, add_special_tokens=False)["input_ids"] if rendered else []

@@ -34,7 +34,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -1006,6 +1006,7 @@ def evaluate_model(
     template: str = DEFAULT_TEMPLATE,
     use_chat_template: bool = True,
     max_prompt_tokens: int | None = None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
     timeout_s: float = 5.0,
     workers: int = 2,
     tensor_parallel_size: int = 1,
@@ -1031,6 +1032,8 @@ def evaluate_model(
         template: prompt template (:func:`nemo_disco.data.format_prompt`).
         use_chat_template: wrap prompts in the tokenizer's chat template.
         max_prompt_tokens: drop (and log) longer prompts; None keeps all.
+        chat_template_kwargs: extra chat-template variables (Qwen3: ``{"enable_thinking": True}``), as
+            ``data.chat_template_kwargs`` in training.
         timeout_s: per-item grading limit.
         workers: grading processes.
         tensor_parallel_size: vLLM tensor parallelism.
@@ -1063,6 +1066,7 @@ def evaluate_model(
             template=template,
             use_chat_template=use_chat_template,
             max_prompt_tokens=max_prompt_tokens,
+            chat_template_kwargs=chat_template_kwargs,
         )
         if dropped:
             logger.warning("%s: %d prompts over %s tokens left out", bench, dropped, max_prompt_tokens)

@@ -258,6 +258,7 @@ def _sft_examples(tok, problems: list, cfg) -> tuple[list[list[int]], list[list[
         template=cfg.data.prompt_template,
         use_chat_template=cfg.data.use_chat_template,
         max_prompt_tokens=cfg.generation.max_prompt_tokens,
+        chat_template_kwargs=cfg.data.chat_template_kwargs,
     )
     targets = [
         tok.encode(f"\\boxed{{{problems[i].answer}}}", add_special_tokens=False) + [tok.eos_token_id] for i in kept
@@ -301,6 +302,7 @@ class _GreedyAccuracy:
             template=cfg.data.prompt_template,
             use_chat_template=cfg.data.use_chat_template,
             max_prompt_tokens=cfg.generation.max_prompt_tokens,
+            chat_template_kwargs=cfg.data.chat_template_kwargs,
         )
         self.truths = [problems[i].answer for i in kept]
         self.tok = tok

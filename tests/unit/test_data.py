@@ -372,3 +372,18 @@ def test_synthetic_via_load_problems():
     assert not {p.problem for p in problems} & {p.problem for p in heldout}
     with pytest.raises(ValueError, match="has 34 problems; asked for 100"):
         synthetic_arithmetic(100, 0, digits=1, split="heldout")
+
+
+def test_chat_template_kwargs_reach_the_template(tmp_path):
+    """data.chat_template_kwargs (Qwen3's enable_thinking) are variables of the chat template."""
+    from nemo_disco.data import encode_prompts
+    from nemo_disco.tiny import build_tokenizer
+
+    tok = build_tokenizer(tmp_path)
+    tok.chat_template = (
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+        "{% if enable_thinking is defined and not enable_thinking %}#{% else %}T{% endif %}"
+    )
+    thinking, _, _ = encode_prompts(tok, ["1+1"], template="{problem}")
+    plain, _, _ = encode_prompts(tok, ["1+1"], template="{problem}", chat_template_kwargs={"enable_thinking": False})
+    assert tok.decode(thinking[0]) == "1+1T" and tok.decode(plain[0]) == "1+1#"
