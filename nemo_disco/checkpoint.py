@@ -295,7 +295,7 @@ def _free_space(path: Path, needed: int | None) -> str:
         usage = shutil.disk_usage(path)
     except OSError:
         return "free space unknown"
-    text = f"{usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.0f} MiB on {path}"
+    text = f"{usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB on {path}"
     if needed is not None and usage.free < needed:
         text = f"the file system is full: {text}, a checkpoint takes {needed / 2**20:.1f} MiB"
     return text
