@@ -668,7 +668,7 @@ def train(cfg: RunConfig) -> dict[str, float]:
     except (Preempted, KeyboardInterrupt):
         wd.stop()
         raise
-    except ConfigError as err:  # every rank meets it: no waiting for peers
+    except ConfigError as err:  # every rank meets it at the same point: each exits 2 with it
         wd.on_error(err, wait=False)
         raise
     except Exception as err:

@@ -159,6 +159,11 @@ def _hash_share(folder: Path, names: list[str]) -> dict[str, dict[str, Any]]:
     out = {}
     for name in share:
         path = folder / name
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"rank {distributed.rank()} cannot see {path}, written by another rank: logging.run_dir must be on a "
+                "file system that every node of the job sees"
+            )
         out[name] = {"size": path.stat().st_size, "sha256": _sha256(path)}
     return out
 

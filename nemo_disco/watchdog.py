@@ -191,26 +191,26 @@ class Watchdog:
 
         With ``wait``, first waits three heartbeats: if another rank posted a stop notice, or a rank went silent
         (a collective that fails because a peer died is a symptom of that), this rank prints that cause and exits
-        with its code. Otherwise (and always without ``wait``: an error every rank meets, such as a bad config)
-        ``err`` is this rank's own failure: it is posted for the other ranks and the call returns (the caller
-        re-raises it).
+        with its code. Otherwise ``err`` is this rank's own failure: it is posted for the other ranks and the call
+        returns (the caller re-raises it). Without ``wait`` (an error every rank meets at the same point, such as
+        a bad config) the thread just stops: each rank ends with its own error and exit code, and a rank that did
+        not meet it sees this one go silent.
         """
-        if self.store is None or self._exiting:
+        if not wait or self.store is None or self._exiting:
             self._stop.set()
             return
-        if wait:
-            before = self._all_beats()
-            window = 3 * self.interval_s + 1.0
-            deadline = time.monotonic() + window
-            while time.monotonic() < deadline:
-                notice = self._read_notice()
-                if notice is not None and notice["rank"] != self.rank:
-                    self._obey(notice)
-                time.sleep(self.interval_s / 2)
-            after = self._all_beats()
-            silent = [r for r in range(self.world_size) if r != self.rank and _silent(before.get(r), after.get(r))]
-            if silent:
-                self._declare_silent(silent[0], waited_s=window, after=f"{type(err).__name__} in this rank")
+        before = self._all_beats()
+        window = 3 * self.interval_s + 1.0
+        deadline = time.monotonic() + window
+        while time.monotonic() < deadline:
+            notice = self._read_notice()
+            if notice is not None and notice["rank"] != self.rank:
+                self._obey(notice)
+            time.sleep(self.interval_s / 2)
+        after = self._all_beats()
+        silent = [r for r in range(self.world_size) if r != self.rank and _silent(before.get(r), after.get(r))]
+        if silent:
+            self._declare_silent(silent[0], waited_s=window, after=f"{type(err).__name__} in this rank")
         # This rank ends with its own error: its thread must not report the peers that stop after it.
         self._stop.set()
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
