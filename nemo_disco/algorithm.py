@@ -43,6 +43,7 @@ import json
 import logging
 import math
 import signal
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,7 +51,7 @@ from typing import Any
 
 import torch
 
-from nemo_disco import checkpoint, distributed, losses, stats
+from nemo_disco import checkpoint, distributed, losses, stats, watchdog
 from nemo_disco import config as config_lib
 from nemo_disco.batch import RolloutBatch, collate
 from nemo_disco.config import ConfigError, RunConfig
@@ -175,6 +176,35 @@ def build_generator(cfg: RunConfig, model_dir: Path) -> Generator:
     )
 
 
+def resume(run_dir: Path, policy: Policy, sampler: PromptSampler) -> tuple[Path | None, list[str]]:
+    """Load the newest checkpoint that verifies against its manifest (collective); older ones if it does not.
+
+    A checkpoint that fails verification is set aside (``step_<N>.corrupt``) with a note naming what failed.
+
+    Returns:
+        The checkpoint loaded (None: nothing to resume) and the notes to log.
+    """
+    notes: list[str] = []
+    for path in checkpoint.resume_candidates(run_dir):
+        problems, verified = checkpoint.verify(path)
+        if problems:
+            aside = checkpoint.set_aside(path) if distributed.rank() == 0 else path.with_name(path.name + ".corrupt")
+            distributed.barrier()
+            notes.append(
+                f"warning: checkpoint {path} skipped: {'; '.join(problems)}; set aside as {aside.name} (kept for "
+                "inspection; delete it to free the space)"
+            )
+            continue
+        if not verified:
+            notes.append(f"warning: checkpoint {path} has no manifest (written before manifests): loaded unverified")
+        state = checkpoint.load_trainer_state(path)
+        policy.load(path / "policy")
+        sampler.load_state_dict(state["sampler"])
+        checkpoint.set_rng_state(state["rng"])
+        return path, notes
+    return None, notes
+
+
 def setup(cfg: RunConfig) -> Trainer:
     """Process group, data, policy, generator, grader, metrics; resume from the newest checkpoint."""
     env = distributed.init()
@@ -185,6 +215,7 @@ def setup(cfg: RunConfig) -> Trainer:
         )
     torch.manual_seed(cfg.algorithm.seed)
     run_dir = Path(cfg.logging.run_dir)
+    changed_keys = checkpoint.check_resume_config(cfg, run_dir)  # before anything is built or overwritten
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         config_lib.save(cfg, run_dir / "config.yaml")
@@ -216,14 +247,10 @@ def setup(cfg: RunConfig) -> Trainer:
     # The KL reference (GRPO family with kl_coef > 0): forward only, offloaded with the policy when colocated.
     ref_policy = build_policy(cfg, model_dir, trainable=False) if loss.needs_reference else None
 
-    step = 0
-    latest = checkpoint.latest_checkpoint(run_dir) if cfg.checkpoint.resume else None
-    if latest is not None:
-        state = checkpoint.load_trainer_state(latest)
-        policy.load(latest / "policy")
-        sampler.load_state_dict(state["sampler"])
-        checkpoint.set_rng_state(state["rng"])
-        step = int(state["step"])
+    latest, notes = resume(run_dir, policy, sampler) if cfg.checkpoint.resume else (None, [])
+    step = checkpoint.load_trainer_state(latest)["step"] if latest is not None else 0
+    if changed_keys:
+        notes.append(f"resuming with changed keys (checkpoint.allow_config_change=true): {'; '.join(changed_keys)}")
     if env.is_main:
         from nemo_disco.metrics import truncate_jsonl
 
@@ -239,6 +266,8 @@ def setup(cfg: RunConfig) -> Trainer:
         progress=cfg.logging.progress,
         run_config=cfg.model_dump(mode="json"),
     )
+    for note in notes:
+        logger.write(note)
     if latest is not None:
         logger.write(f"resumed from {latest} (step {step})")
     if skipped or dropped:
@@ -670,31 +699,69 @@ def _signal_agreed(tr: Trainer) -> int:
     return distributed.max_int(tr.signal_received[0] if tr.signal_received else 0)
 
 
+def _collective_timeout_minutes(cfg: RunConfig) -> int:
+    """The process group's collective timeout: above the step watchdog's floor, so the watchdog acts first."""
+    return max(30, math.ceil(4 * cfg.cluster.step_timeout_s / 60))
+
+
 def train(cfg: RunConfig) -> dict[str, float]:
     """Run (or resume) training to ``algorithm.steps``; returns the last step's metrics.
 
+    A step watchdog and a peer monitor (:mod:`nemo_disco.watchdog`) run beside the loop: a hung step, validation
+    or checkpoint save ends the run with exit code 4 (stacks in the log), a dead, frozen or failed rank ends every
+    other rank with exit code 5 (the log names it).
+
     Raises:
         Preempted: after SIGUSR1 (exit code 3, requeue) or SIGTERM (exit code 0) with a checkpoint saved.
+        checkpoint.SaveError: a checkpoint could not be written (the previous one is intact).
     """
+    distributed.init(timeout_minutes=_collective_timeout_minutes(cfg))
+    wd = watchdog.from_env(cfg.cluster.step_timeout_s, Path(cfg.logging.run_dir))
+    wd.start()
+    try:
+        last = _train(cfg, wd)
+    except (Preempted, KeyboardInterrupt):
+        wd.stop()
+        raise
+    except ConfigError as err:  # every rank meets it at the same point: each exits 2 with it
+        wd.on_error(err, wait=False)
+        raise
+    except Exception as err:
+        wd.on_error(err)  # exits here if a peer died or reported first (then that is the cause)
+        if isinstance(err, checkpoint.SaveError):
+            print(f"nemo-disco: rank {distributed.rank()}: error: {err}", file=sys.stderr, flush=True)
+        raise
+    wd.stop()
+    return last
+
+
+def _train(cfg: RunConfig, wd: watchdog.Watchdog) -> dict[str, float]:
     tr = setup(cfg)
     _install_signal_handlers(tr)
     val = _val_set(tr) if cfg.data.val else None
     last: dict[str, float] = {}
     try:
         if val is not None and tr.step == 0:
-            tr.logger.log(0, _log_validation(tr, 0, validate(tr, *val, cfg.data.val_samples, seed=cfg.algorithm.seed)))
+            with wd.phase("validation", "validation before step 1"):
+                per_problem = validate(tr, *val, cfg.data.val_samples, seed=cfg.algorithm.seed)
+            tr.logger.log(0, _log_validation(tr, 0, per_problem))
         while tr.step < cfg.algorithm.steps:
-            metrics = train_step(tr)
+            label = f"step {tr.step + 1}"
+            with wd.phase("step", label):
+                metrics = train_step(tr)
             tr.step += 1
             if val is not None and cfg.data.val_every and tr.step % cfg.data.val_every == 0:
-                per_problem = validate(tr, *val, cfg.data.val_samples, seed=cfg.algorithm.seed + tr.step)
+                with wd.phase("validation", f"validation after {label}"):
+                    per_problem = validate(tr, *val, cfg.data.val_samples, seed=cfg.algorithm.seed + tr.step)
                 metrics.update(_log_validation(tr, tr.step, per_problem))
-            tr.logger.log(tr.step, metrics)
+            with wd.phase("step", f"{label} (metrics and signals)"):
+                tr.logger.log(tr.step, metrics)
+                sig = _signal_agreed(tr)
             last = metrics
-            sig = _signal_agreed(tr)
             periodic = cfg.checkpoint.save_every and tr.step % cfg.checkpoint.save_every == 0
             if periodic or sig or tr.step == cfg.algorithm.steps:
-                path = save_checkpoint(tr)
+                with wd.phase("checkpoint", f"checkpoint step {tr.step}"):
+                    path = save_checkpoint(tr)
                 tr.logger.write(f"checkpoint {path}")
             if sig:
                 raise Preempted(EXIT_REQUEUE if sig == signal.SIGUSR1 else 0)

@@ -29,13 +29,15 @@ def _train(args: argparse.Namespace) -> int:
             print(config_lib.to_yaml(cfg), end="")
         return 0
     _check_sources(cfg)
-    from nemo_disco import algorithm
+    from nemo_disco import algorithm, checkpoint
 
     try:
         algorithm.train(cfg)
     except algorithm.Preempted as stop:
         print(f"nemo-disco: {stop}", file=sys.stderr)
         return stop.code
+    except checkpoint.SaveError:  # its one-line message is already printed by algorithm.train
+        return 1
     if os.environ.get("RANK", "0") == "0":
         _report(cfg)
     return 0

@@ -227,8 +227,11 @@ class CheckpointConfig(_Section):
     """Atomic checkpoints and resume."""
 
     save_every: int = Field(20, ge=0)
+    # Checkpoints kept; older ones are deleted only once this many newer complete ones exist.
     keep_last: int = Field(3, ge=1)
     resume: bool = True
+    # Resume even though a model, loss, data or layout key differs from the checkpoint's config (logged).
+    allow_config_change: bool = False
 
 
 class LoggingConfig(_Section):
@@ -246,6 +249,11 @@ class ClusterConfig(_Section):
 
     nodes: int = Field(1, ge=1)
     gpus_per_node: int = Field(8, ge=1)
+    # Step watchdog (docs/reliability.md): a step, validation or checkpoint save that runs longer than
+    # max(step_timeout_s, 2 x the slowest of its kind so far) dumps every rank's Python stacks and ends the run
+    # with exit code 4 (slurm/train.sbatch requeues it). 0 = off. A silent rank (dead, frozen, node lost) is
+    # detected after min(60, max(5, step_timeout_s / 4)) s without its heartbeat (60 s when off).
+    step_timeout_s: float = Field(1800.0, ge=0)
 
 
 class RunConfig(_Section):

@@ -16,6 +16,10 @@ GPU of the node, process ``LOCAL_RANK`` takes GPU ``LOCAL_RANK``; when the launc
 (``srun --gpus-per-task=1``: each process sees exactly one), every process takes GPU 0 of its own view. Any
 other count is an error at start-up, not a silent ``LOCAL_RANK % count`` that would stack processes on one
 GPU. The trainer (Megatron) and the vLLM engine use the same index (:func:`vllm_device_env`).
+
+Liveness (:func:`store_client`): the watchdog (``nemo_disco/watchdog.py``) exchanges heartbeats and stop notices
+through the job's rendezvous key-value store on a connection of its own, so they flow while the collectives are
+blocked on a dead or hung rank.
 """
 
 from __future__ import annotations
@@ -195,6 +199,25 @@ def init_single_process(timeout_minutes: int = 30) -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(
         backend, store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(minutes=timeout_minutes)
+    )
+
+
+def store_client(timeout_s: float) -> Any | None:
+    """A new client connection to the job's rendezvous store (``MASTER_ADDR:MASTER_PORT``); None for one process.
+
+    Under torchrun the store is served by the launcher's agent (it outlives every worker); under srun by rank 0's
+    process. Each call opens its own connection, so a thread can use it while another thread is in a collective.
+
+    Args:
+        timeout_s: how long one store operation may wait before it raises.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not addr or not port:
+        return None
+    return dist.TCPStore(
+        addr, int(port), is_master=False, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s)
     )
 
 

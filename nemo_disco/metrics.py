@@ -1,4 +1,9 @@
-"""Metric sinks (JSONL always, TensorBoard, W&B), a progress bar, and the training-curve plots."""
+"""Metric sinks (JSONL always, TensorBoard, W&B), a progress bar, and the training-curve plots.
+
+metrics.jsonl is the record of a run (fsync'd every step; resume truncates it to the checkpoint's step). The
+other sinks are conveniences: one that fails (not installed, no network, disk full, a write error) is reported
+once, switched off for the rest of the run, and training goes on.
+"""
 
 from __future__ import annotations
 
@@ -73,13 +78,19 @@ class MetricsLogger:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+            try:
+                from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+                self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+            except Exception as err:  # noqa: BLE001  (a sink failing must not stop training)
+                self._sink_failed("TensorBoard", err)
         if wandb:
-            import wandb as wandb_lib
+            try:
+                import wandb as wandb_lib
 
-            self._wandb = wandb_lib.init(project=wandb_project, dir=str(run_dir), config=run_config, resume="allow")
+                self._wandb = wandb_lib.init(project=wandb_project, dir=str(run_dir), config=run_config, resume="allow")
+            except Exception as err:  # noqa: BLE001
+                self._sink_failed("W&B", err)
         if progress:
             from tqdm import tqdm
 
@@ -95,12 +106,20 @@ class MetricsLogger:
             fh.flush()
             os.fsync(fh.fileno())
         if self._tb is not None:
-            for k, v in metrics.items():
-                if isinstance(v, (int, float)) and math.isfinite(v):
-                    self._tb.add_scalar(k, v, step)
-            self._tb.flush()
+            try:
+                for k, v in metrics.items():
+                    if isinstance(v, (int, float)) and math.isfinite(v):
+                        self._tb.add_scalar(k, v, step)
+                self._tb.flush()
+            except Exception as err:  # noqa: BLE001
+                self._tb = None
+                self._sink_failed("TensorBoard", err)
         if self._wandb is not None:
-            self._wandb.log(metrics, step=step)
+            try:
+                self._wandb.log(metrics, step=step)
+            except Exception as err:  # noqa: BLE001
+                self._wandb = None
+                self._sink_failed("W&B", err)
         if self._bar is not None:
             # The bar counts training steps: a record for step 0 (validation before training) does not advance it.
             self._bar.update(max(0, step - self._bar.n))
@@ -122,10 +141,21 @@ class MetricsLogger:
         """Flush and close every sink."""
         if self._bar is not None:
             self._bar.close()
-        if self._tb is not None:
-            self._tb.close()
-        if self._wandb is not None:
-            self._wandb.finish()
+        for name, sink, finish in (("TensorBoard", self._tb, "close"), ("W&B", self._wandb, "finish")):
+            if sink is not None:
+                try:
+                    getattr(sink, finish)()
+                except Exception as err:  # noqa: BLE001
+                    self._sink_failed(name, err)
+        self._tb = self._wandb = None
+
+    def _sink_failed(self, name: str, err: Exception) -> None:
+        """Report a failed sink once (it is off from now on; metrics.jsonl goes on)."""
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        self.write(
+            f"warning: metrics sink {name} failed ({type(err).__name__}: {first}); it is off for the rest of the "
+            f"run, training goes on and {self.path} keeps every metric"
+        )
 
 
 def _finite_or_none(v: Any) -> Any:

@@ -29,9 +29,11 @@ over pipes, so it works even when the main program is read from stdin, where ``s
 pools fail). Each item has ``timeout_s``: the worker interrupts itself at ``timeout_s`` (``SIGALRM`` in its
 main thread; enough for code that checks signals), and the parent kills and replaces a worker whose item
 is still running ``kill_grace_s`` later. A timed-out item scores 0 and is counted in ``reward/timeouts``;
-a grading exception or a crashed worker scores 0 and is counted in ``reward/errors``; ``reward/restarts``
-counts replaced workers. math-verify's own ``signal.alarm`` timeouts are disabled (they need the main
-thread and integer seconds).
+a grading exception scores 0 and is counted in ``reward/errors``. A worker that dies (killed from outside,
+out of memory, a crash in C code) has its item graded again on a fresh worker, once: the scores do not
+depend on a worker's death; an item whose second worker dies too scores 0 and counts in ``reward/errors``.
+``reward/restarts`` counts replaced workers. math-verify's own ``signal.alarm`` timeouts are disabled (they
+need the main thread and integer seconds).
 """
 
 from __future__ import annotations
@@ -675,6 +677,22 @@ class GraderPool:
         self.restarts += 1
         return fresh
 
+    def _lost(self, worker: _Worker, item: int, pending: deque, retried: set[int], scores: list[float]) -> int:
+        """``worker`` died holding ``item``: replace it and queue the item again once; returns the errors to count."""
+        code = worker.proc.poll()
+        worker.item = None
+        self._replace(worker)
+        if item in retried:
+            scores[item] = 0.0
+            logger.warning(
+                "grader worker died (exit %s) on item %d a second time: scored 0 (reward/errors)", code, item
+            )
+            return 1
+        retried.add(item)
+        pending.appendleft(item)
+        logger.warning("grader worker died (exit %s) while grading item %d: graded again on a fresh worker", code, item)
+        return 0
+
     def score(
         self, responses: Sequence[str], ground_truths: Sequence[str | list[str]]
     ) -> tuple[list[float], dict[str, float]]:
@@ -696,6 +714,7 @@ class GraderPool:
         timeouts = errors = 0
         restarts_before = self.restarts
         pending = deque(range(n))
+        retried: set[int] = set()
         done = 0
         sel = selectors.DefaultSelector()
         try:
@@ -706,11 +725,9 @@ class GraderPool:
                         i = pending.popleft()
                         payload = json.dumps({"response": responses[i], "truth": ground_truths[i]}) + "\n"
                         w.item, w.deadline = i, time.monotonic() + self.timeout_s + self.kill_grace_s
-                        if not w.send(payload.encode()):
-                            scores[i] = 0.0
-                            errors += 1
-                            done += 1
-                            self._replace(w)
+                        if not w.send(payload.encode()):  # the worker is gone
+                            errors += self._lost(w, i, pending, retried, scores)
+                            done += i not in pending
                     elif not w.ready and now - w.started > self.startup_timeout_s:
                         raise RuntimeError(
                             f"grader worker not ready after {self.startup_timeout_s:.0f} s: {w.stderr_tail()}"
@@ -743,10 +760,12 @@ class GraderPool:
                         if not w.ready:
                             code = w.proc.wait()
                             raise RuntimeError(f"grader worker exited during start-up (code {code}): {w.stderr_tail()}")
-                        if w.item is not None:  # crashed mid-item (e.g. out of memory)
-                            errors += 1
-                            done += 1
-                        self._replace(w)
+                        if w.item is not None:  # died mid-item (killed, out of memory, a crash in C code)
+                            i = w.item
+                            errors += self._lost(w, i, pending, retried, scores)
+                            done += i not in pending
+                        else:
+                            self._replace(w)
                 now = time.monotonic()
                 for w in list(self._workers):
                     if w.item is not None and now >= w.deadline:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -136,3 +137,48 @@ def test_thin_scripts_pass_arguments_through(script, args):
     command = shlex.split(done.stdout.split("command: ", 1)[1].splitlines()[0])
     sub = "eval" if "eval" in script else "convert"
     assert command[0] == "srun" and command[-len(args) - 3 :] == ["-m", "nemo_disco.cli", sub, *args]
+
+
+def _path_without_scontrol(tmp_path: Path) -> str:
+    """A PATH holding links to what the script needs, but not scontrol."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("bash", "dirname", "cat", "awk", "grep", "tail", "rm", "mktemp", "nproc", "date", "python3"):
+        found = shutil.which(tool)
+        if found:
+            (bin_dir / tool).symlink_to(found)
+    return str(bin_dir)
+
+
+def test_a_nodelist_without_scontrol_is_one_clear_line(tmp_path):
+    env = {"SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_NNODES": "2", "PATH": _path_without_scontrol(tmp_path)}
+    done = _run("slurm/train.sbatch", "recipes/tiny-cpu.yaml", "cluster.nodes=2", NEMO_DISCO_DRY_RUN="1", **env)
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        "train.sbatch: error: SLURM_JOB_NODELIST=gpu[01-02] is set but scontrol is not on PATH, so the job's "
+        "hosts cannot be listed"
+    )
+
+
+@pytest.mark.skipif(shutil.which("scontrol") is None, reason="needs scontrol (Debian slurm-client)")
+def test_a_nodelist_scontrol_cannot_resolve_is_one_clear_line(tmp_path):
+    # No slurm.conf (SLURM_CONF names an empty file): scontrol cannot expand the list. Before, the script died
+    # with `HOSTS[0]: unbound variable`.
+    conf = tmp_path / "slurm.conf"
+    conf.write_text("")
+    env = {"SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_NNODES": "2", "SLURM_CONF": str(conf)}
+    done = _run("slurm/train.sbatch", "recipes/tiny-cpu.yaml", "cluster.nodes=2", NEMO_DISCO_DRY_RUN="1", **env)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith(
+        "train.sbatch: error: scontrol show hostnames could not resolve SLURM_JOB_NODELIST=gpu[01-02] into 2 host(s) "
+        "(got 0: scontrol: "
+    )
+    assert "unbound variable" not in done.stderr
+
+
+def test_max_requeues_must_be_a_count():
+    done = _run("slurm/train.sbatch", "recipes/tiny-cpu.yaml", NEMO_DISCO_DRY_RUN="1", NEMO_DISCO_MAX_REQUEUES="x")
+    assert done.returncode == 2
+    assert done.stderr.strip() == "train.sbatch: error: NEMO_DISCO_MAX_REQUEUES=x is not a non-negative integer"

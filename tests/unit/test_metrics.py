@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from nemo_disco.metrics import MetricsLogger
 
 
@@ -38,3 +40,83 @@ def test_a_resumed_run_counts_from_its_checkpoint_step(tmp_path):
     logger.log(7, {})
     assert logger._bar.n == 7
     logger.close()
+
+
+def _records(tmp_path) -> list[dict]:
+    return [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_tensorboard_that_cannot_start_is_reported_once_and_jsonl_goes_on(tmp_path, capsys):
+    (tmp_path / "tensorboard").write_text("a file where the event folder should be\n")
+    logger = MetricsLogger(
+        tmp_path,
+        enabled=True,
+        tensorboard=True,
+        wandb=False,
+        wandb_project="",
+        total_steps=3,
+        start_step=0,
+        progress=False,
+    )
+    for step in (1, 2, 3):
+        logger.log(step, {"train/reward_mean": 0.1 * step})
+    logger.close()
+    out = capsys.readouterr().out
+    assert out.count("warning: metrics sink TensorBoard failed (") == 1
+    assert "training goes on" in out
+    assert [r["step"] for r in _records(tmp_path)] == [1, 2, 3]
+
+
+def test_wandb_failing_to_start_is_reported_once(tmp_path, capsys):
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here: its start-up failure is not this one")
+    logger = MetricsLogger(
+        tmp_path,
+        enabled=True,
+        tensorboard=False,
+        wandb=True,
+        wandb_project="p",
+        total_steps=2,
+        start_step=0,
+        progress=False,
+    )
+    logger.log(1, {"train/kl": 1e-5})
+    logger.close()
+    out = capsys.readouterr().out
+    assert out.count("warning: metrics sink W&B failed (ModuleNotFoundError: No module named 'wandb')") == 1
+    assert [r["step"] for r in _records(tmp_path)] == [1]
+
+
+# TensorBoard's writer thread prints its own traceback once when its write fails; the sink is then switched off.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_tensorboard_on_a_full_disk_is_switched_off_mid_run(tmp_path, capsys):
+    import subprocess
+
+    events = tmp_path / "tensorboard"
+    events.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(events)], capture_output=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        logger = MetricsLogger(
+            tmp_path,
+            enabled=True,
+            tensorboard=True,
+            wandb=False,
+            wandb_project="",
+            total_steps=400,
+            start_step=0,
+            progress=False,
+        )
+        # ~60 scalars per step: the 64 KiB event file system fills within a few dozen steps.
+        metrics = {f"train/m{i}": float(i) for i in range(60)}
+        for step in range(1, 401):
+            logger.log(step, metrics)
+        logger.close()
+    finally:
+        subprocess.run(["umount", str(events)], check=True)
+    out = capsys.readouterr().out
+    assert out.count("warning: metrics sink TensorBoard failed (") == 1, out
+    assert [r["step"] for r in _records(tmp_path)] == list(range(1, 401))

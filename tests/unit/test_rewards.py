@@ -242,16 +242,43 @@ def test_parent_kills_and_replaces_a_stuck_worker():
         assert 1.2 <= elapsed < 1.2 + 6.0, elapsed
 
 
-def test_crashed_worker_counts_as_error_and_is_replaced():
-    with GraderPool("math_verify", timeout_s=30.0, workers=1, soft_timeout=False) as pool:
+# Grading this takes ~5 s on one core (9^(9^7) has 4.5 million digits): a kill 0.5 s in lands mid-item.
+SLOW = r"\boxed{9^{9^{7}}}"
+
+
+def test_worker_killed_mid_item_is_replaced_and_the_item_graded_again():
+    with GraderPool("math_verify", timeout_s=60.0, workers=1, soft_timeout=False) as pool:
         pool.score(["\\boxed{1}"], ["1"])
         (pid,) = pool.worker_pids
         killer = threading.Timer(0.5, os.kill, (pid, signal.SIGKILL))  # e.g. the kernel's OOM killer
         killer.start()
-        scores, metrics = pool.score([r"\boxed{9^{9^{9^{9}}}}", r"\boxed{2}"], ["1", "2"])
+        scores, metrics = pool.score([SLOW, r"\boxed{2}"], ["1", "2"])
+        killer.join()
+        # The slow item was graded to the end on the fresh worker (0: 9^(9^7) != 1), not scored 0 as an error.
+        assert scores == [0.0, 1.0]
+        assert metrics == {"reward/timeouts": 0.0, "reward/errors": 0.0, "reward/restarts": 1.0}
+        assert pool.worker_pids != [pid]
+
+
+def test_an_item_whose_worker_dies_twice_counts_as_an_error():
+    with GraderPool("math_verify", timeout_s=60.0, workers=1, soft_timeout=False) as pool:
+        pool.score(["\\boxed{1}"], ["1"])
+        (first,) = pool.worker_pids
+
+        def kill_twice() -> None:
+            os.kill(first, signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while pool.worker_pids == [first] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(1.5)  # the fresh worker starts (~0.6 s) and is grading the slow item again
+            os.kill(pool.worker_pids[0], signal.SIGKILL)
+
+        killer = threading.Timer(0.5, kill_twice)
+        killer.start()
+        scores, metrics = pool.score([SLOW, r"\boxed{2}"], ["1", "2"])
         killer.join()
         assert scores == [0.0, 1.0]
-        assert metrics == {"reward/timeouts": 0.0, "reward/errors": 1.0, "reward/restarts": 1.0}
+        assert metrics == {"reward/timeouts": 0.0, "reward/errors": 1.0, "reward/restarts": 2.0}
 
 
 def test_interrupted_call_leaves_no_stale_answer():
