@@ -55,7 +55,7 @@ from nemo_disco import checkpoint, distributed, losses, stats, watchdog
 from nemo_disco import config as config_lib
 from nemo_disco.batch import RolloutBatch, collate
 from nemo_disco.config import ConfigError, RunConfig
-from nemo_disco.data import PromptSampler, encode_prompts, load_problems
+from nemo_disco.data import PromptSampler, encode_run_prompts, load_problems
 from nemo_disco.generation.base import EngineLayout, Generator, SamplingParams
 from nemo_disco.metrics import MetricsLogger, Timer, read_jsonl
 from nemo_disco.policy import build_policy
@@ -226,14 +226,7 @@ def setup(cfg: RunConfig) -> Trainer:
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     problems, skipped = load_problems(cfg.data.train, **_data_kwargs(cfg))
-    prompt_ids, kept, dropped = encode_prompts(
-        tokenizer,
-        problems,
-        template=cfg.data.prompt_template,
-        use_chat_template=cfg.data.use_chat_template,
-        max_prompt_tokens=cfg.generation.max_prompt_tokens,
-        chat_template_kwargs=cfg.data.chat_template_kwargs,
-    )
+    prompt_ids, kept, dropped = encode_run_prompts(tokenizer, problems, cfg)
     problems = [problems[i] for i in kept]
     if len(problems) < cfg.algorithm.prompts_per_step:
         raise ConfigError(
@@ -669,14 +662,7 @@ def _val_set(tr: Trainer) -> tuple[list, list[list[int]]]:
     problems, _ = load_problems(cfg.data.val, **{**_data_kwargs(cfg), "on_bad_row": "skip"})
     if cfg.data.val_max_problems:
         problems = problems[: cfg.data.val_max_problems]
-    ids, kept, _ = encode_prompts(
-        tr.tokenizer,
-        problems,
-        template=cfg.data.prompt_template,
-        use_chat_template=cfg.data.use_chat_template,
-        max_prompt_tokens=cfg.generation.max_prompt_tokens,
-        chat_template_kwargs=cfg.data.chat_template_kwargs,
-    )
+    ids, kept, _ = encode_run_prompts(tr.tokenizer, problems, cfg)
     return [problems[i] for i in kept], ids
 
 

@@ -531,6 +531,24 @@ class PromptSampler:
 # Synthetic task (CPU demo)
 
 
+def encode_run_prompts(
+    tokenizer: Any, problems: Sequence[Problem | str], cfg: Any
+) -> tuple[list[list[int]], list[int], int]:
+    """:func:`encode_prompts` with a run's settings (``cfg``: a :class:`~nemo_disco.config.RunConfig`).
+
+    Reads ``data.prompt_template``, ``data.use_chat_template``, ``data.chat_template_kwargs`` and
+    ``generation.max_prompt_tokens``.
+    """
+    return encode_prompts(
+        tokenizer,
+        problems,
+        template=cfg.data.prompt_template,
+        use_chat_template=cfg.data.use_chat_template,
+        max_prompt_tokens=cfg.generation.max_prompt_tokens,
+        chat_template_kwargs=cfg.data.chat_template_kwargs,
+    )
+
+
 def _is_heldout(text: str, fraction: float) -> bool:
     """A problem's split, from a hash of its text: independent of seed and size, so splits never overlap."""
     h = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")

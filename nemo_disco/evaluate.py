@@ -751,15 +751,9 @@ def plot_pass_at_k(
         ax.set_xlabel("k")
         ax.set_ylabel("pass@k (%)")
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(panels) :]:
-        ax.axis("off")
-    axes.flat[0].legend(fontsize=8)
-    fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    from nemo_disco.metrics import save_figure
+
+    return save_figure(fig, axes, len(panels), out)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

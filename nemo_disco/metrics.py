@@ -215,7 +215,14 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path, labels: Sequence[
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(panels) :]:
+    return save_figure(fig, axes, len(panels), out)
+
+
+def save_figure(fig: Any, axes: Any, used: int, out: str | Path) -> Path:
+    """Blank the unused panels of a grid of ``axes``, put the legend on the first, write ``out`` (PNG) and close."""
+    import matplotlib.pyplot as plt
+
+    for ax in list(axes.flat)[used:]:
         ax.axis("off")
     axes.flat[0].legend(fontsize=8)
     fig.tight_layout()

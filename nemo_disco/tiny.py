@@ -250,16 +250,9 @@ def warm_up(model_dir: str | Path, problems: list, cfg, eval_problems: list | No
 
 def _sft_examples(tok, problems: list, cfg) -> tuple[list[list[int]], list[list[int]]]:  # noqa: ANN001
     r"""Prompt ids and target ids (``\boxed{answer}`` + EOS) of every problem whose prompt fits."""
-    from nemo_disco.data import encode_prompts
+    from nemo_disco.data import encode_run_prompts
 
-    prompts, kept, _ = encode_prompts(
-        tok,
-        problems,
-        template=cfg.data.prompt_template,
-        use_chat_template=cfg.data.use_chat_template,
-        max_prompt_tokens=cfg.generation.max_prompt_tokens,
-        chat_template_kwargs=cfg.data.chat_template_kwargs,
-    )
+    prompts, kept, _ = encode_run_prompts(tok, problems, cfg)
     targets = [
         tok.encode(f"\\boxed{{{problems[i].answer}}}", add_special_tokens=False) + [tok.eos_token_id] for i in kept
     ]
@@ -291,19 +284,12 @@ class _GreedyAccuracy:
     """Greedy accuracy of a model on fixed problems: the transformers generator (batched) + the run's grader."""
 
     def __init__(self, model_dir: str | Path, tok, problems: list, cfg) -> None:  # noqa: ANN001
-        from nemo_disco.data import encode_prompts
+        from nemo_disco.data import encode_run_prompts
         from nemo_disco.generation.base import SamplingParams
         from nemo_disco.generation.hf import HFGenerator
         from nemo_disco.rewards import GraderPool
 
-        self.prompts, kept, _ = encode_prompts(
-            tok,
-            problems,
-            template=cfg.data.prompt_template,
-            use_chat_template=cfg.data.use_chat_template,
-            max_prompt_tokens=cfg.generation.max_prompt_tokens,
-            chat_template_kwargs=cfg.data.chat_template_kwargs,
-        )
+        self.prompts, kept, _ = encode_run_prompts(tok, problems, cfg)
         self.truths = [problems[i].answer for i in kept]
         self.tok = tok
         stops = {tok.eos_token_id}
