@@ -352,10 +352,17 @@ def write_results(
     with (out / RESPONSES_FILE).open("w", encoding="utf-8") as f:
         for r in ordered:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    (out / "summary.md").write_text(summary.to_markdown(), encoding="utf-8")
-    (out / "summary.csv").write_text(summary.to_csv(), encoding="utf-8")
-    (out / "summary.json").write_text(json.dumps(summary.to_dict(), indent=1) + "\n", encoding="utf-8")
+    _write_tables(summary, out, "summary")
     return summary
+
+
+def _write_tables(table: Any, out: Path, stem: str) -> Path:
+    """``<stem>.{md,csv,json}`` of a table object (``to_markdown``, ``to_csv``, ``to_dict``); the Markdown path."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.md").write_text(table.to_markdown(), encoding="utf-8")
+    (out / f"{stem}.csv").write_text(table.to_csv(), encoding="utf-8")
+    (out / f"{stem}.json").write_text(json.dumps(table.to_dict(), indent=1) + "\n", encoding="utf-8")
+    return out / f"{stem}.md"
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -482,12 +489,7 @@ def aggregate_runs(summaries: Sequence[EvalSummary], labels: Sequence[str]) -> R
 
 def write_runs(runs: RunsSummary, out_dir: str | os.PathLike) -> Path:
     """Write ``runs.{md,csv,json}`` into ``out_dir``; returns the Markdown path."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "runs.md").write_text(runs.to_markdown(), encoding="utf-8")
-    (out / "runs.csv").write_text(runs.to_csv(), encoding="utf-8")
-    (out / "runs.json").write_text(json.dumps(runs.to_dict(), indent=1) + "\n", encoding="utf-8")
-    return out / "runs.md"
+    return _write_tables(runs, Path(out_dir), "runs")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -688,12 +690,7 @@ def compare_results(
 
 def write_comparison(comparison: Comparison, out_dir: str | os.PathLike) -> Path:
     """Write ``comparison.{md,csv,json}`` into ``out_dir``; returns the Markdown path."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "comparison.md").write_text(comparison.to_markdown(), encoding="utf-8")
-    (out / "comparison.csv").write_text(comparison.to_csv(), encoding="utf-8")
-    (out / "comparison.json").write_text(json.dumps(comparison.to_dict(), indent=1) + "\n", encoding="utf-8")
-    return out / "comparison.md"
+    return _write_tables(comparison, Path(out_dir), "comparison")
 
 
 # ----------------------------------------------------------------------------------------------------------------------

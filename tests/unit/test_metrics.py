@@ -9,16 +9,19 @@ import pytest
 from nemo_disco.metrics import MetricsLogger
 
 
-def _logger(tmp_path, total: int, start: int = 0) -> MetricsLogger:
+def _logger(
+    tmp_path, total: int, start: int = 0, *, progress: bool = True, tensorboard: bool = False, wandb: bool = False
+) -> MetricsLogger:
+    """The rank-0 logger of a run; tests vary its progress bar and sinks."""
     return MetricsLogger(
         tmp_path,
         enabled=True,
-        tensorboard=False,
-        wandb=False,
-        wandb_project="",
+        tensorboard=tensorboard,
+        wandb=wandb,
+        wandb_project="p",
         total_steps=total,
         start_step=start,
-        progress=True,
+        progress=progress,
     )
 
 
@@ -48,16 +51,7 @@ def _records(tmp_path) -> list[dict]:
 
 def test_a_tensorboard_that_cannot_start_is_reported_once_and_jsonl_goes_on(tmp_path, capsys):
     (tmp_path / "tensorboard").write_text("a file where the event folder should be\n")
-    logger = MetricsLogger(
-        tmp_path,
-        enabled=True,
-        tensorboard=True,
-        wandb=False,
-        wandb_project="",
-        total_steps=3,
-        start_step=0,
-        progress=False,
-    )
+    logger = _logger(tmp_path, 3, progress=False, tensorboard=True)
     for step in (1, 2, 3):
         logger.log(step, {"train/reward_mean": 0.1 * step})
     logger.close()
@@ -72,16 +66,7 @@ def test_wandb_failing_to_start_is_reported_once(tmp_path, capsys):
 
     if importlib.util.find_spec("wandb") is not None:
         pytest.skip("wandb is installed here: its start-up failure is not this one")
-    logger = MetricsLogger(
-        tmp_path,
-        enabled=True,
-        tensorboard=False,
-        wandb=True,
-        wandb_project="p",
-        total_steps=2,
-        start_step=0,
-        progress=False,
-    )
+    logger = _logger(tmp_path, 2, progress=False, wandb=True)
     logger.log(1, {"train/kl": 1e-5})
     logger.close()
     out = capsys.readouterr().out
@@ -100,16 +85,7 @@ def test_tensorboard_on_a_full_disk_is_switched_off_mid_run(tmp_path, capsys):
     if done.returncode:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
     try:
-        logger = MetricsLogger(
-            tmp_path,
-            enabled=True,
-            tensorboard=True,
-            wandb=False,
-            wandb_project="",
-            total_steps=400,
-            start_step=0,
-            progress=False,
-        )
+        logger = _logger(tmp_path, 400, progress=False, tensorboard=True)
         # ~60 scalars per step: the 64 KiB event file system fills within a few dozen steps.
         metrics = {f"train/m{i}": float(i) for i in range(60)}
         for step in range(1, 401):
