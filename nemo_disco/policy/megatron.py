@@ -1325,14 +1325,7 @@ class MegatronPolicy:
             self._move_optimizer(torch.device("cpu"))
             self._offloaded.add("optimizer")
         if weights and "weights" not in self._offloaded:
-            buffers = self._param_buffers()
-            for buffer in buffers:
-                if buffer.param_data is not None:
-                    buffer.offload_to_cpu(move_params=True, move_grads=False)
-            in_buffers = any(buffer.param_data is not None for buffer in buffers)
-            for p in self.gpt.parameters():
-                if not in_buffers or not p.requires_grad:  # a frozen router is in no buffer
-                    p.data = p.data.to("cpu", non_blocking=True)
+            self._move_weights(torch.device("cpu"))
             self._offloaded.add("weights")
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -1342,19 +1335,24 @@ class MegatronPolicy:
         if not self.on_gpu or not self._offloaded:
             return
         if "weights" in self._offloaded:
-            buffers = self._param_buffers()
-            for buffer in buffers:
-                if buffer.param_data is not None:
-                    buffer.reload_from_cpu(move_params=True, move_grads=False)
-            in_buffers = any(buffer.param_data is not None for buffer in buffers)
-            for p in self.gpt.parameters():
-                if not in_buffers or not p.requires_grad:
-                    p.data = p.data.to(self.device, non_blocking=True)
+            self._move_weights(self.device)
         if "optimizer" in self._offloaded:
             self.model.restore_grad_buffers(synchronize=False)
             self._move_optimizer(self.device)
         torch.cuda.synchronize()
         self._offloaded.clear()
+
+    def _move_weights(self, device: torch.device) -> None:
+        """The weights to ``device``: DDP's parameter buffers (distributed optimizer) or each parameter."""
+        buffers = self._param_buffers()
+        for buffer in buffers:
+            if buffer.param_data is not None:
+                move = buffer.offload_to_cpu if device.type == "cpu" else buffer.reload_from_cpu
+                move(move_params=True, move_grads=False)
+        in_buffers = any(buffer.param_data is not None for buffer in buffers)
+        for p in self.gpt.parameters():
+            if not in_buffers or not p.requires_grad:  # a frozen router is in no buffer
+                p.data = p.data.to(device, non_blocking=True)
 
     def _param_buffers(self) -> list[Any]:
         """Megatron DDP's parameter / gradient buffers: the dense ones and, for MoE, the experts' own."""
