@@ -118,7 +118,6 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._store_failed_at: float | None = None
-        self._exiting = False
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self._prefix = f"nemo_disco/{restart}/"
         self._neighbour = (rank + 1) % world_size if world_size > 1 else None
@@ -196,8 +195,11 @@ class Watchdog:
         a bad config) the thread just stops: each rank ends with its own error and exit code, and a rank that did
         not meet it sees this one go silent.
         """
-        if not wait or self.store is None or self._exiting:
+        if self._exit_lock.locked():  # the thread is exiting with the root cause (a hang, a dead peer)
+            self._wait_for_exit()
+        if not wait or self.store is None:
             self._stop.set()
+            self._claim_exit()
             return
         before = self._all_beats()
         window = 3 * self.interval_s + 1.0
@@ -213,6 +215,7 @@ class Watchdog:
             self._declare_silent(silent[0], waited_s=window, after=f"{type(err).__name__} in this rank")
         # This rank ends with its own error: its thread must not report the peers that stop after it.
         self._stop.set()
+        self._claim_exit()
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
         self._post(EXIT_PEER, f"rank {self.rank} ({self.host}, pid {self.pid}) failed: {type(err).__name__}: {first}")
         if self._store_failed_at is None:
@@ -281,14 +284,26 @@ class Watchdog:
         message = f"stopping: rank {notice['rank']} reported: {notice['message']}"
         self._stop_now(code, message, post=False, stacks=code == EXIT_HUNG, label=notice.get("label"))
 
+    def _claim_exit(self) -> None:
+        """Become the one thread that ends the process, or wait for the one that already does.
+
+        The watchdog thread exits with ``os._exit`` after lingering; a main thread that returned from
+        :meth:`on_error` meanwhile would end the process first with its own, secondary error (exit 1).
+        """
+        if not self._exit_lock.acquire(blocking=False):
+            self._wait_for_exit()
+
+    @staticmethod
+    def _wait_for_exit() -> None:
+        """Block this thread: the other one is printing the cause and will ``os._exit`` the process."""
+        while True:
+            time.sleep(60)
+
     def _stop_now(
         self, code: int, message: str, *, post: bool = True, stacks: bool = False, label: str | None = None
     ) -> None:
         """Print ``message``, optionally post it and dump the stacks, and exit with ``code``."""
-        if not self._exit_lock.acquire(blocking=False):  # the other thread is already exiting
-            while True:
-                time.sleep(60)
-        self._exiting = True
+        self._claim_exit()
         faulthandler.cancel_dump_traceback_later()
         head = f"nemo-disco: {_now()} rank {self.rank} ({self.host}, pid {self.pid}): {message}"
         if post:

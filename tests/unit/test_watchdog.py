@@ -90,6 +90,15 @@ PEER = textwrap.dedent(
         except ValueError as err:
             wd.on_error(err)
             raise
+    elif scenario == "hang_then_fail":  # its collective fails while its own watchdog is already exiting
+        try:
+            with wd.phase("step", "step 3"):
+                while not list(Path(stacks).glob(f"*rank{rank}*")):  # written just before the linger
+                    time.sleep(0.01)
+                raise RuntimeError("Connection closed by peer")
+        except RuntimeError as err:
+            wd.on_error(err)
+            raise
     elif scenario == "finish":
         time.sleep(1.0)
         wd.stop()
@@ -156,6 +165,15 @@ def test_a_hung_phase_dumps_every_ranks_stacks_and_exits_4(store, tmp_path):
     names = sorted(p.name for p in tmp_path.iterdir())
     assert [n.split("-pid")[0] for n in names] == ["step_3-rank0", "step_3-rank1"]
     assert "stuck_in_a_step" in (tmp_path / names[1]).read_text()
+
+
+def test_an_error_while_the_watchdog_exits_does_not_replace_its_cause(store, tmp_path):
+    # Rank 1's phase runs past its limit; while its watchdog thread lingers before exiting 4, its main thread
+    # meets the secondary error (a peer closed the connection). The process still ends with the cause: 4, not 1.
+    busy, hung = _start(store.port, 2.0, ["idle", "hang_then_fail"], tmp_path)
+    (code1, err1), (code0, err0) = _finish([hung, busy], timeout=60)
+    assert (code1, code0) == (watchdog.EXIT_HUNG, watchdog.EXIT_HUNG), err1 + err0
+    assert "Connection closed by peer" not in err1, err1
 
 
 @pytest.mark.parametrize("fault", ["kill", "stop"])
