@@ -235,7 +235,7 @@ def setup(cfg: RunConfig) -> Trainer:
         )
     sampler = PromptSampler(len(problems), cfg.algorithm.prompts_per_step, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
     policy = build_policy(cfg, model_dir)
-    hp = losses.loss_kwargs(cfg)
+    hp = config_lib.loss_kwargs(cfg)
     loss = losses.get_loss(cfg.loss.name, **hp)
     # The KL reference (GRPO family with kl_coef > 0): forward only, offloaded with the policy when colocated.
     ref_policy = build_policy(cfg, model_dir, trainable=False) if loss.needs_reference else None
@@ -528,7 +528,7 @@ def train_step(tr: Trainer) -> dict[str, float]:
         entropy = _gather_rows(ent_local, policy, num_mb)
         mask = batch.response_mask
         weights, w_metrics = losses.rollout_weights(
-            old, batch.gen_logprobs, mask, mode=cfg.loss.rollout_correction, cap=cfg.loss.rollout_correction_cap
+            old, batch.gen_logprobs, mask, mode=cfg.rollout_correction, cap=cfg.loss.rollout_correction_cap
         )
         per_mb_local = len(local) // num_mb
         per_mb = len(batch) // num_mb

@@ -11,6 +11,7 @@ and the offending value; the CLI prints it and exits with code 2.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import os
 from pathlib import Path
@@ -192,7 +193,8 @@ class LossConfig(_Section):
     trpa_anisotropy: float = Field(2.5, gt=0)
     tr_kl_coef: float = Field(0.001, ge=0)
     # Rollout / training log-prob mismatch correction.
-    rollout_correction: Literal["none", "seq_tis"] = "none"
+    # auto: seq_tis with algorithm.async_rollouts (stale rollouts), none otherwise (RunConfig.rollout_correction).
+    rollout_correction: Literal["auto", "none", "seq_tis"] = "auto"
     rollout_correction_cap: float = Field(2.0, gt=0)
 
 
@@ -221,6 +223,11 @@ class AlgorithmConfig(_Section):
     min_valid_share: float = Field(1.0, gt=0, le=1)
     overlong_buffer_tokens: int = Field(0, ge=0)
     overlong_penalty: float = Field(1.0, ge=0)
+    # Asynchronous rollouts (docs/async.md): the generator runs in processes of its own (cluster.generation_*) and
+    # produces step t's rollouts while step t-1 trains, with the weights of step t-1-max_staleness (the
+    # policy after that many fewer steps; 0 = the weights being trained, as in a synchronous run).
+    async_rollouts: bool = False
+    max_staleness: int = Field(1, ge=0)
 
 
 class CheckpointConfig(_Section):
@@ -254,6 +261,11 @@ class ClusterConfig(_Section):
     # with exit code 4 (slurm/train.sbatch requeues it). 0 = off. A silent rank (dead, frozen, node lost) is
     # detected after min(60, max(5, step_timeout_s / 4)) s without its heartbeat (60 s when off).
     step_timeout_s: float = Field(1800.0, ge=0)
+    # The generator's processes with algorithm.async_rollouts (ignored otherwise), ranks after the trainer's:
+    # generation_nodes = 0: generation_gpus_per_node more processes on the trainer's one node; >= 1: that many
+    # nodes of their own, generation_gpus_per_node (0: gpus_per_node, the only other value allowed) each.
+    generation_nodes: int = Field(0, ge=0)
+    generation_gpus_per_node: int = Field(0, ge=0)
 
 
 class RunConfig(_Section):
@@ -307,6 +319,8 @@ class RunConfig(_Section):
                 f"algorithm.minibatch_prompts x algorithm.rollouts_per_prompt = {rollouts} must be divisible by "
                 f"the data-parallel size {data_parallel} (cluster world / policy TP x PP)"
             )
+        if a.async_rollouts:
+            self._check_generation_layout()
         if g.max_prompt_tokens + g.max_response_tokens > 10_000_000:
             raise ValueError("generation.max_prompt_tokens + generation.max_response_tokens is implausibly large")
         if self.loss.name == "grpo_er" and self.loss.entropy_coef == 0:
@@ -330,10 +344,66 @@ class RunConfig(_Section):
                 )
         return self
 
+    def _check_generation_layout(self) -> None:
+        c, g = self.cluster, self.generation
+        if c.generation_nodes == 0:
+            if c.generation_gpus_per_node == 0:
+                raise ValueError(
+                    "algorithm.async_rollouts=true needs processes for the generator: cluster.generation_gpus_per_node"
+                    "=K (K more on the trainer's node) or cluster.generation_nodes=N (nodes of their own)"
+                )
+            if c.nodes != 1:
+                raise ValueError(
+                    f"cluster.generation_gpus_per_node={c.generation_gpus_per_node} without cluster.generation_nodes "
+                    f"shares the trainer's node, but cluster.nodes={c.nodes}: set cluster.generation_nodes"
+                )
+        elif c.generation_gpus_per_node not in (0, c.gpus_per_node):
+            raise ValueError(
+                f"cluster.generation_gpus_per_node={c.generation_gpus_per_node} on nodes of their own must be 0 or "
+                f"cluster.gpus_per_node={c.gpus_per_node} (every node of a job runs as many processes)"
+            )
+        if self.generation_world_size % g.tensor_parallel_size:
+            raise ValueError(
+                f"generation.tensor_parallel_size={g.tensor_parallel_size} must divide the generator's "
+                f"{self.generation_world_size} process(es)"
+            )
+
+    @property
+    def rollout_correction(self) -> Literal["none", "seq_tis"]:
+        """``loss.rollout_correction`` with ``auto`` resolved (seq_tis with async rollouts, else none)."""
+        if self.loss.rollout_correction == "auto":
+            return "seq_tis" if self.algorithm.async_rollouts else "none"
+        return self.loss.rollout_correction
+
     @property
     def world_size(self) -> int:
-        """Processes the recipe expects (nodes x gpus_per_node)."""
+        """The trainer's processes (nodes x gpus_per_node); the whole job in synchronous mode."""
         return self.cluster.nodes * self.cluster.gpus_per_node
+
+    @property
+    def generation_world_size(self) -> int:
+        """The generator's own processes (0: synchronous, the generator lives in the trainer's processes)."""
+        c = self.cluster
+        if not self.algorithm.async_rollouts:
+            return 0
+        if c.generation_nodes == 0:
+            return c.generation_gpus_per_node
+        return c.generation_nodes * (c.generation_gpus_per_node or c.gpus_per_node)
+
+    @property
+    def launch_world_size(self) -> int:
+        """Processes the launcher starts: the trainer's ranks first, then the generator's."""
+        return self.world_size + self.generation_world_size
+
+    @property
+    def launch_layout(self) -> tuple[int, int]:
+        """(nodes, processes per node) of the whole job."""
+        c = self.cluster
+        if not self.algorithm.async_rollouts:
+            return c.nodes, c.gpus_per_node
+        if c.generation_nodes == 0:
+            return 1, c.gpus_per_node + c.generation_gpus_per_node
+        return c.nodes + c.generation_nodes, c.gpus_per_node
 
     @property
     def data_parallel_size(self) -> int:
@@ -491,3 +561,59 @@ def load_resolved(path: str | os.PathLike) -> RunConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
     return validate(raw)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The loss's keyword arguments
+
+
+# Hyper-parameters that live outside the ``loss`` section of the config.
+_CONFIG_PATHS: dict[str, tuple[str, str]] = {
+    "positive_threshold": ("reward", "positive_threshold"),
+    "max_response_tokens": ("generation", "max_response_tokens"),
+}
+# Config values of one loss (family) only: set away from their schema default for a loss that lacks them, they would
+# be silently ignored, so loss_kwargs refuses them.
+_SWITCHES = (
+    "kl_coef",
+    "entropy_coef",
+    "adv_std_norm",
+    "alpha_correction",
+    "token_norm",
+    "trpa_beta",
+    "trpa_anisotropy",
+    "tr_kl_coef",
+)
+
+
+def loss_kwargs(cfg: RunConfig) -> dict[str, Any]:
+    """The hyper-parameters the chosen loss takes, read from the run's config.
+
+    From ``cfg.loss`` (its fields of the same name), ``cfg.reward.positive_threshold`` and, for
+    ``dr_grpo``, ``cfg.generation.max_response_tokens``. A hyper-parameter the schema lacks keeps the
+    loss's default.
+
+    Raises:
+        ConfigError: a value of one loss only (``loss.kl_coef``, ``loss.entropy_coef``, GPG's and TRPA's keys) set
+            away from its default for a loss that has no such term, or an invalid value.
+    """
+    from nemo_disco.losses import get_loss
+
+    loss = get_loss(cfg.loss.name)
+    names = [f.name for f in dataclasses.fields(loss.hparams)]
+    hp: dict[str, Any] = {}
+    for key in names:
+        if key in _CONFIG_PATHS:
+            section, field = _CONFIG_PATHS[key]
+            hp[key] = getattr(getattr(cfg, section), field)
+        elif key in type(cfg.loss).model_fields:
+            hp[key] = getattr(cfg.loss, key)
+    for key in _SWITCHES:
+        default = type(cfg.loss).model_fields[key].default
+        if key not in names and getattr(cfg.loss, key) != default:
+            raise ConfigError(f"loss.{key}={getattr(cfg.loss, key)} has no effect with loss.name={loss.name}")
+    try:
+        loss.params(**hp)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    return hp

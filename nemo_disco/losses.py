@@ -75,8 +75,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from nemo_disco.config import ConfigError
-
 # GRPO's advantage normaliser: A = (r - mean) / (std + ADV_EPS).
 ADV_EPS = 1e-6
 
@@ -363,56 +361,6 @@ def get_loss(name: str, **hp: Any) -> Loss:
     if name not in LOSSES:
         raise ValueError(f"unknown loss {name!r}; valid names: {', '.join(LOSSES)}")
     return LOSSES[name].bind(**hp) if hp else LOSSES[name]
-
-
-# Hyper-parameters that live outside the ``loss`` section of the config.
-_CONFIG_PATHS: dict[str, tuple[str, str]] = {
-    "positive_threshold": ("reward", "positive_threshold"),
-    "max_response_tokens": ("generation", "max_response_tokens"),
-}
-# Config values of one loss (family) only: set away from their schema default for a loss that lacks them, they would
-# be silently ignored, so loss_kwargs refuses them.
-_SWITCHES = (
-    "kl_coef",
-    "entropy_coef",
-    "adv_std_norm",
-    "alpha_correction",
-    "token_norm",
-    "trpa_beta",
-    "trpa_anisotropy",
-    "tr_kl_coef",
-)
-
-
-def loss_kwargs(cfg: Any) -> dict[str, Any]:
-    """The hyper-parameters the chosen loss takes, read from a ``nemo_disco.config.RunConfig``.
-
-    From ``cfg.loss`` (its fields of the same name), ``cfg.reward.positive_threshold`` and, for
-    ``dr_grpo``, ``cfg.generation.max_response_tokens``. A hyper-parameter the schema lacks keeps the
-    loss's default.
-
-    Raises:
-        ConfigError: a value of one loss only (``loss.kl_coef``, ``loss.entropy_coef``, GPG's and TRPA's keys) set
-            away from its default for a loss that has no such term, or an invalid value.
-    """
-    loss = get_loss(cfg.loss.name)
-    names = [f.name for f in fields(loss.hparams)]
-    hp: dict[str, Any] = {}
-    for key in names:
-        if key in _CONFIG_PATHS:
-            section, field = _CONFIG_PATHS[key]
-            hp[key] = getattr(getattr(cfg, section), field)
-        elif key in type(cfg.loss).model_fields:
-            hp[key] = getattr(cfg.loss, key)
-    for key in _SWITCHES:
-        default = type(cfg.loss).model_fields[key].default
-        if key not in names and getattr(cfg.loss, key) != default:
-            raise ConfigError(f"loss.{key}={getattr(cfg.loss, key)} has no effect with loss.name={loss.name}")
-    try:
-        loss.params(**hp)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    return hp
 
 
 def coefficients(

@@ -1023,7 +1023,7 @@ def test_loss_kwargs_from_config(name: str) -> None:
             "generation": {"max_response_tokens": 4096},
         }
     )
-    hp = losses.loss_kwargs(cfg)
+    hp = config_lib.loss_kwargs(cfg)
     fn = losses.get_loss(name, **hp)
     assert hp["positive_threshold"] == 0.0
     assert set(hp) <= {f.name for f in dataclasses.fields(fn.hparams)}
@@ -1038,22 +1038,22 @@ def test_loss_kwargs_from_config(name: str) -> None:
 
 def test_loss_kwargs_rejects_terms_the_loss_lacks() -> None:
     with pytest.raises(ConfigError, match="loss.kl_coef=0.001 has no effect with loss.name=disco"):
-        losses.loss_kwargs(config_lib.validate({"loss": {"name": "disco", "kl_coef": 0.001}}))
+        config_lib.loss_kwargs(config_lib.validate({"loss": {"name": "disco", "kl_coef": 0.001}}))
     with pytest.raises(ConfigError, match="loss.kl_coef=0.001 has no effect with loss.name=dapo"):
-        losses.loss_kwargs(config_lib.validate({"loss": {"name": "dapo", "kl_coef": 0.001}}))
+        config_lib.loss_kwargs(config_lib.validate({"loss": {"name": "dapo", "kl_coef": 0.001}}))
     with pytest.raises(ConfigError, match="loss.entropy_coef=0.01 has no effect with loss.name=grpo"):
-        losses.loss_kwargs(config_lib.validate({"loss": {"name": "grpo", "entropy_coef": 0.01}}))
+        config_lib.loss_kwargs(config_lib.validate({"loss": {"name": "grpo", "entropy_coef": 0.01}}))
     # GPG's and TRPA's keys, away from their defaults, for a loss without them.
     with pytest.raises(ConfigError, match="loss.alpha_correction=False has no effect with loss.name=dr_grpo"):
-        losses.loss_kwargs(config_lib.validate({"loss": {"name": "dr_grpo", "alpha_correction": False}}))
+        config_lib.loss_kwargs(config_lib.validate({"loss": {"name": "dr_grpo", "alpha_correction": False}}))
     with pytest.raises(ConfigError, match="loss.trpa_beta=0.2 has no effect with loss.name=gpg"):
-        losses.loss_kwargs(config_lib.validate({"loss": {"name": "gpg", "trpa_beta": 0.2}}))
+        config_lib.loss_kwargs(config_lib.validate({"loss": {"name": "gpg", "trpa_beta": 0.2}}))
     with pytest.raises(ConfigError, match="loss.kl_coef=0.001 has no effect with loss.name=trpa"):
-        losses.loss_kwargs(config_lib.validate({"loss": {"name": "trpa", "kl_coef": 0.001}}))
+        config_lib.loss_kwargs(config_lib.validate({"loss": {"name": "trpa", "kl_coef": 0.001}}))
     # At their defaults they are no choice, so every loss accepts them.
-    hp = losses.loss_kwargs(config_lib.validate({"loss": {"name": "trpa", "trpa_beta": 0.2, "tr_kl_coef": 0.0}}))
+    hp = config_lib.loss_kwargs(config_lib.validate({"loss": {"name": "trpa", "trpa_beta": 0.2, "tr_kl_coef": 0.0}}))
     assert hp["trpa_beta"] == 0.2 and hp["tr_kl_coef"] == 0.0 and hp["trpa_anisotropy"] == 2.5
-    assert losses.loss_kwargs(config_lib.validate({"loss": {"name": "disco"}}))["tau"] == 10.0
+    assert config_lib.loss_kwargs(config_lib.validate({"loss": {"name": "disco"}}))["tau"] == 10.0
 
 
 def test_function_defaults_match_the_config_schema() -> None:
