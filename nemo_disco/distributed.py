@@ -281,7 +281,23 @@ def init_roles(trainer_world: int, generator_world: int, timeout_minutes: int = 
             timeout=timeout,
         )
     env = DistEnv(role_rank, role_world, info.local_rank, info.local_world_size, info.node_rank)
+    global _ROLE_ENV
+    _ROLE_ENV = env
     return role, env, Link(store, role, role_rank, generator_world, timeout)
+
+
+#: This process's place in its role after :func:`init_roles` (None: the job is one role).
+_ROLE_ENV: DistEnv | None = None
+
+
+def has_roles() -> bool:
+    """Whether :func:`init_roles` split this job into a trainer and a generator."""
+    return _ROLE_ENV is not None
+
+
+def role_env() -> DistEnv:
+    """This process's place in the default group: its role's after :func:`init_roles`, else the launched job's."""
+    return _ROLE_ENV if _ROLE_ENV is not None else read_env()
 
 
 class Link:

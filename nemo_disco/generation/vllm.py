@@ -40,6 +40,7 @@ must follow) needs a CUDA / ROCm / XPU build; on the CPU build there is no devic
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import logging
@@ -74,6 +75,21 @@ def buckets(weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> I
         size += nbytes
     if bucket:
         yield bucket
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    """Set environment variables for the duration of the block, then restore them."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def request_seed(seed: int, index: int) -> int:
@@ -182,13 +198,16 @@ class VLLMGenerator:
                 "vLLM sleep mode is not available on this platform (%s): sleep() and wake_up() do nothing",
                 current_platform.device_type,
             )
-        env = distributed.read_env()
+        env = distributed.role_env()  # with async rollouts: the generator's processes only
         backend = distributed_executor_backend or ("external_launcher" if env.world_size > 1 else None)
         if backend == "external_launcher":
             # vLLM reads the rank layout from torchrun's variables; srun sets SLURM_* only.
             os.environ.setdefault("RANK", str(env.rank))
             os.environ.setdefault("LOCAL_RANK", str(env.local_rank))
             os.environ.setdefault("WORLD_SIZE", str(env.world_size))
+        # An asynchronous job's generator: the variables must describe the default group vLLM builds on, its
+        # role's, while the engine is built; restored afterwards (the launched ranks stay in the environment).
+        layout = {"RANK": str(env.rank), "WORLD_SIZE": str(env.world_size)} if distributed.has_roles() else {}
         # Only then are the engine's workers in this process (else TP > 1 runs them as subprocesses).
         self.workers_in_process = backend == "external_launcher" or tensor_parallel_size == 1
         kwargs = {
@@ -209,7 +228,7 @@ class VLLMGenerator:
             kwargs["max_num_batched_tokens"] = max_num_batched_tokens
         if backend:
             kwargs["distributed_executor_backend"] = backend
-        with distributed.vllm_device_env():  # the engine's GPU is the trainer's (one GPU per task included)
+        with _environ(layout), distributed.vllm_device_env():  # the engine's GPU: the trainer's (colocated)
             self.llm = LLM(**kwargs)
         self._released: set[str] = set()  # tags given up by sleep() and not yet woken
         self._weights_error: str | None = (
