@@ -336,7 +336,7 @@ def nd_steps(cfg: Any, steps: int, warmup: int, *, fixed_length: bool, profile: 
     tr = algorithm.setup(cfg)
     setup_s = time.perf_counter() - t0
     if fixed_length:
-        tr.generator = FixedLengthGenerator(tr.generator)
+        tr.rollouts.ro.generator = FixedLengthGenerator(tr.rollouts.ro.generator)
     records: list[dict[str, float]] = []
     walls: list[float] = []
     profiler = None
@@ -360,8 +360,7 @@ def nd_steps(cfg: Any, steps: int, warmup: int, *, fixed_length: bool, profile: 
             profiler.disable()
             profiler.dump_stats(str(profile))
         tr.logger.close()
-        tr.grader.close()
-        tr.generator.shutdown()
+        tr.rollouts.close(None)
     rollouts = cfg.algorithm.prompts_per_step * cfg.algorithm.rollouts_per_prompt
     tokens = [m["train/response_length_mean"] * rollouts for m in records]
     return {

@@ -54,8 +54,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
                     }
                 )
         finally:
-            tr.grader.close()
-            tr.generator.shutdown()
+            tr.rollouts.close(None)
             tr.logger.close()
     return {"interpreter_start_mb": start_rss, "steps": steps}
 

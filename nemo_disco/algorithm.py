@@ -1,14 +1,10 @@
 """DisCO training loop: Algorithm 1 of arXiv 2505.12366 (app. B), top to bottom.
 
-One step::
+One step (the update alone; the rollouts come from :mod:`nemo_disco.rollouts`, synchronous or one step
+ahead in the generator's own processes, ``algorithm.async_rollouts``)::
 
-    refit: stream the policy's weights (HF names) into the generator (colocated: offload the policy's
-           gradients and optimizer state, wake weights, refit, offload the policy's weights, wake the KV cache;
-           after generation the engine sleeps, the policy comes back)
-    prompts (algorithm.prompts_per_step questions, deterministic resumable order)
-     -> generator: rollouts_per_prompt responses each, with the generator's token log-probs (each generation
-        engine, generation.tensor_parallel_size consecutive ranks, takes a share of the questions)
-     -> rewards: math grading in a process pool (hard per-item timeout)
+    rollouts.next(step): algorithm.prompts_per_step questions with rollouts_per_prompt graded responses each and
+        the generator's token log-probs (and the weight version that sampled them)
      -> policy.logprobs (no grad): pi_old's log-probs, frozen for the whole step
      -> mini-batches of whole questions (minibatch_prompts; prompts_per_step / minibatch_prompts updates)
         for each: pass 1: per-rollout statistics at the current weights (the first mini-batch reuses
@@ -16,6 +12,8 @@ One step::
                   coefficients c = dL/dstats of the whole mini-batch objective (losses.coefficients);
                   pass 2: policy.train_minibatch backwards sum(c * stats) micro-batch by micro-batch
                   (any micro-batch size, any data-parallel size: the gradient is the mini-batch one)
+     -> rollouts.publish(step): the new weights are the generator's next (synchronous: refit before the next
+        generation; asynchronous: streamed to the generator's processes now)
      -> metrics, validation every data.val_every steps, checkpoint every checkpoint.save_every steps
 
 Departures from the paper: the objective averages over ALL questions of the mini-batch (questions
@@ -38,25 +36,23 @@ Launch::
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
 import signal
 import sys
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from nemo_disco import checkpoint, distributed, losses, stats, watchdog
+from nemo_disco import checkpoint, distributed, losses, rollouts, stats, watchdog
 from nemo_disco import config as config_lib
 from nemo_disco.batch import RolloutBatch, collate
 from nemo_disco.config import ConfigError, RunConfig
-from nemo_disco.data import PromptSampler, encode_run_prompts, load_problems
-from nemo_disco.generation.base import EngineLayout, Generator, SamplingParams
+from nemo_disco.data import PromptSampler, load_problems
+from nemo_disco.generation.base import EngineLayout
 from nemo_disco.metrics import MetricsLogger, Timer, read_jsonl
 from nemo_disco.policy import build_policy
 from nemo_disco.policy.base import Policy
@@ -85,23 +81,20 @@ class Trainer:
     run_dir: Path
     model_dir: Path
     tokenizer: Any
-    problems: list
-    prompt_ids: list[list[int]]
-    sampler: PromptSampler
     policy: Policy
-    generator: Generator
-    grader: GraderPool
+    rollouts: rollouts.RolloutSource
     logger: MetricsLogger
     loss: losses.Loss
     loss_hp: dict[str, Any]
-    engines: EngineLayout
     ref_policy: Policy | None = None
-    # The generator's weights lag the policy's (vLLM starts from dummy weights; every update and a resume
-    # change the policy): refit before the next generation.
-    generator_stale: bool = True
     step: int = 0
     dropped_prompts: int = 0
     signal_received: list[int] = field(default_factory=list)
+
+    @property
+    def sampler(self) -> PromptSampler:
+        """The question order (its position is the generator's)."""
+        return self.rollouts.sampler
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -123,7 +116,7 @@ def prepare_model(cfg: RunConfig, run_dir: Path) -> Path:
             tmp = run_dir / "init_model.tmp"
             tiny.build_model(cfg.policy.tiny, tmp, seed=a.seed)
             if a.warmup_sft_steps:
-                problems, _ = load_problems(cfg.data.train, **_data_kwargs(cfg))
+                problems, _ = load_problems(cfg.data.train, **rollouts.data_kwargs(cfg))
                 tiny.warm_up(tmp, problems, cfg, held_out)
             tmp.rename(model_dir)
     distributed.barrier()
@@ -132,7 +125,7 @@ def prepare_model(cfg: RunConfig, run_dir: Path) -> Path:
 
 def _warmup_eval_problems(cfg: RunConfig) -> list:
     """The held-out problems the warm-up's accuracy target is measured on: data.val after the validation ones."""
-    problems, _ = load_problems(cfg.data.val, **{**_data_kwargs(cfg), "on_bad_row": "skip"})
+    problems, _ = load_problems(cfg.data.val, **{**rollouts.data_kwargs(cfg), "on_bad_row": "skip"})
     first, n = cfg.data.val_max_problems, cfg.algorithm.warmup_eval_problems
     if len(problems) < first + n:
         raise ConfigError(
@@ -143,46 +136,13 @@ def _warmup_eval_problems(cfg: RunConfig) -> list:
     return problems[first : first + n]
 
 
-def _data_kwargs(cfg: RunConfig) -> dict[str, Any]:
-    return {
-        "split": cfg.data.split,
-        "on_bad_row": cfg.data.on_bad_row,
-        "synthetic_size": cfg.data.synthetic_size,
-        "seed": cfg.data.seed,
-    }
-
-
-def build_generator(cfg: RunConfig, model_dir: Path) -> Generator:
-    """The generator named by ``generation.backend``."""
-    g = cfg.generation
-    if g.backend == "hf":
-        from nemo_disco.generation.hf import HFGenerator
-
-        return HFGenerator(model_dir, dtype=cfg.policy.dtype, batch_size=g.hf_batch_size, decode=g.hf_decode)
-    from nemo_disco.generation.vllm import VLLMGenerator
-
-    return VLLMGenerator(
-        model_dir,
-        tensor_parallel_size=g.tensor_parallel_size,
-        gpu_memory_utilization=g.gpu_memory_utilization,
-        enforce_eager=g.enforce_eager,
-        max_model_len=g.max_prompt_tokens + g.max_response_tokens,
-        max_num_batched_tokens=g.max_num_batched_tokens,
-        sleep_level=g.sleep_level,
-        load_format="dummy",
-        seed=cfg.algorithm.seed,
-        dtype=cfg.policy.dtype,
-        refit_bucket_mb=g.refit_bucket_mb,
-    )
-
-
-def resume(run_dir: Path, policy: Policy, sampler: PromptSampler) -> tuple[Path | None, list[str]]:
+def resume(run_dir: Path, policy: Policy, sampler: PromptSampler) -> tuple[Path | None, dict[str, Any], list[str]]:
     """Load the newest checkpoint that verifies against its manifest (collective); older ones if it does not.
 
     A checkpoint that fails verification is set aside (``step_<N>.corrupt``) with a note naming what failed.
 
     Returns:
-        The checkpoint loaded (None: nothing to resume) and the notes to log.
+        The checkpoint loaded (None: nothing to resume), its trainer state ({} without one) and the notes to log.
     """
     notes: list[str] = []
     for path in checkpoint.resume_candidates(run_dir):
@@ -201,13 +161,19 @@ def resume(run_dir: Path, policy: Policy, sampler: PromptSampler) -> tuple[Path 
         policy.load(path / "policy")
         sampler.load_state_dict(state["sampler"])
         checkpoint.set_rng_state(state["rng"])
-        return path, notes
-    return None, notes
+        return path, state, notes
+    return None, {}, notes
 
 
-def setup(cfg: RunConfig) -> Trainer:
-    """Process group, data, policy, generator, grader, metrics; resume from the newest checkpoint."""
-    env = distributed.init()
+def setup(cfg: RunConfig, role: tuple[distributed.DistEnv, distributed.Link] | None = None) -> Trainer:
+    """Process group, data, policy, rollout source, metrics; resume from the newest checkpoint.
+
+    Args:
+        cfg: the run.
+        role: with asynchronous rollouts, this trainer process's place and its link to the generator
+            (:func:`nemo_disco.distributed.init_roles`); None: synchronous, the job is the trainer.
+    """
+    env = role[0] if role is not None else distributed.init()
     if env.world_size != cfg.world_size:
         raise ConfigError(
             f"the launcher started {env.world_size} process(es) but the recipe expects cluster.nodes x "
@@ -225,23 +191,16 @@ def setup(cfg: RunConfig) -> Trainer:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    problems, skipped = load_problems(cfg.data.train, **_data_kwargs(cfg))
-    prompt_ids, kept, dropped = encode_run_prompts(tokenizer, problems, cfg)
-    problems = [problems[i] for i in kept]
-    if len(problems) < cfg.algorithm.prompts_per_step:
-        raise ConfigError(
-            f"data.train={cfg.data.train!r} has {len(problems)} usable problems, fewer than "
-            f"algorithm.prompts_per_step={cfg.algorithm.prompts_per_step}"
-        )
-    sampler = PromptSampler(len(problems), cfg.algorithm.prompts_per_step, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
+    problems, prompt_ids, skipped, dropped = rollouts.train_problems(cfg, tokenizer)
+    sampler = rollouts.new_sampler(cfg, len(problems))
     policy = build_policy(cfg, model_dir)
     hp = config_lib.loss_kwargs(cfg)
     loss = losses.get_loss(cfg.loss.name, **hp)
     # The KL reference (GRPO family with kl_coef > 0): forward only, offloaded with the policy when colocated.
     ref_policy = build_policy(cfg, model_dir, trainable=False) if loss.needs_reference else None
 
-    latest, notes = resume(run_dir, policy, sampler) if cfg.checkpoint.resume else (None, [])
-    step = checkpoint.load_trainer_state(latest)["step"] if latest is not None else 0
+    latest, state, notes = resume(run_dir, policy, sampler) if cfg.checkpoint.resume else (None, {}, [])
+    step = state.get("step", 0)
     if changed_keys:
         notes.append(f"resuming with changed keys (checkpoint.allow_config_change=true): {'; '.join(changed_keys)}")
     if env.is_main:
@@ -268,24 +227,38 @@ def setup(cfg: RunConfig) -> Trainer:
             f"data: {skipped} bad rows skipped, {dropped} prompts over "
             f"{cfg.generation.max_prompt_tokens} tokens dropped"
         )
-    generator = build_generator(cfg, model_dir)
-    grader = GraderPool(cfg.reward.grader, timeout_s=cfg.reward.timeout_s, workers=cfg.reward.workers)
+    if role is not None:
+        source: rollouts.RolloutSource = rollouts.RemoteRollouts(
+            cfg, role[1], policy, sampler, model_dir, state.get("pending_rollouts", [])
+        )
+        if cfg.rollout_correction == "none":
+            logger.write(
+                "warning: asynchronous rollouts without a correction (loss.rollout_correction=none): stale "
+                "rollouts are trained on as if the current policy had sampled them"
+            )
+    else:
+        ro = rollouts.Rollouter(
+            cfg=cfg,
+            tokenizer=tokenizer,
+            problems=problems,
+            prompt_ids=prompt_ids,
+            sampler=sampler,
+            generator=rollouts.build_generator(cfg, model_dir),
+            grader=GraderPool(cfg.reward.grader, timeout_s=cfg.reward.timeout_s, workers=cfg.reward.workers),
+            engines=EngineLayout.of(env.rank, env.world_size, cfg.generation.tensor_parallel_size),
+        )
+        source = rollouts.LocalRollouts(ro, policy, ref_policy, rollouts.val_problems(cfg, tokenizer))
     return Trainer(
         cfg=cfg,
         env=env,
         run_dir=run_dir,
         model_dir=model_dir,
         tokenizer=tokenizer,
-        problems=problems,
-        prompt_ids=prompt_ids,
-        sampler=sampler,
         policy=policy,
-        generator=generator,
-        grader=grader,
+        rollouts=source,
         logger=logger,
         loss=loss,
         loss_hp=hp,
-        engines=EngineLayout.of(env.rank, env.world_size, cfg.generation.tensor_parallel_size),
         ref_policy=ref_policy,
         step=step,
         dropped_prompts=dropped,
@@ -296,174 +269,9 @@ def setup(cfg: RunConfig) -> Trainer:
 # One step
 
 
-def _sampling(cfg: RunConfig, tokenizer: Any, seed: int, max_tokens: int | None = None) -> SamplingParams:
-    g = cfg.generation
-    stops = {tokenizer.eos_token_id}
-    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tokenizer.get_vocab() else None
-    if im_end is not None:
-        stops.add(im_end)
-    return SamplingParams(
-        temperature=g.temperature,
-        top_p=g.top_p,
-        top_k=g.top_k,
-        max_tokens=max_tokens or g.max_response_tokens,
-        stop_token_ids=tuple(sorted(s for s in stops if s is not None)),
-        seed=seed,
-    )
-
-
 def _dp_slice(n: int, policy: Policy) -> slice:
     per = n // policy.dp_size
     return slice(policy.dp_rank * per, (policy.dp_rank + 1) * per)
-
-
-def _gather_engines(items: list, tr: Trainer) -> list:
-    """Concatenate the engine leaders' lists in engine order (identical on every rank)."""
-    parts = distributed.all_gather_object(items if tr.engines.leader else [])
-    return [x for part in parts for x in part]
-
-
-def _engine_seed(seed: int, tr: Trainer) -> int:
-    """The sampling seed of this process's engine: engines draw independent streams.
-
-    The ranks of one engine share theirs, as a tensor-parallel vLLM engine requires.
-    """
-    return (seed + 1_000_033 * tr.engines.index) % (2**31)
-
-
-def collect_rollouts(tr: Trainer, question_ids: list[int], seed: int) -> tuple[list[dict], dict[str, float]]:
-    """Generate and grade ``rollouts_per_prompt`` responses for each question; identical result on every rank.
-
-    Each generation engine generates for its share of the questions (every rank of a tensor-parallel engine
-    with the same requests), its leader grades them, and the leaders' records are gathered on every rank.
-
-    Returns:
-        One record per question (prompt ids, responses, generator log-probs, rewards, finish reasons),
-        and generation / grading metrics.
-    """
-    cfg, timer = tr.cfg, Timer()
-    g = cfg.algorithm.rollouts_per_prompt
-    local = question_ids[tr.engines.share(len(question_ids))]
-    with timer("generate"):
-        sampling = _sampling(cfg, tr.tokenizer, _engine_seed(seed, tr))
-        rollouts = tr.generator.generate([tr.prompt_ids[q] for q in local], g, sampling) if local else []
-    if not tr.engines.leader:  # the engine's leader grades and reports its rollouts
-        local, rollouts = [], []
-    texts = [tr.tokenizer.decode(r.token_ids, skip_special_tokens=True) for rs in rollouts for r in rs]
-    truths = [tr.problems[q].answer for q in local for _ in range(g)]
-    with timer("grade"):
-        scores, grade_metrics = tr.grader.score(texts, truths) if texts else ([], {})
-    records = []
-    for k, (q, rs) in enumerate(zip(local, rollouts, strict=True)):
-        records.append(
-            {
-                "question": q,
-                "prompt": list(tr.prompt_ids[q]),
-                "responses": [list(r.token_ids) for r in rs],
-                "logprobs": [list(r.logprobs) for r in rs],
-                "finish": [r.finish_reason for r in rs],
-                "rewards": scores[k * g : (k + 1) * g],
-            }
-        )
-    records = _gather_engines(records, tr)
-    timeouts, errors = distributed.sum_floats(
-        [grade_metrics.get("reward/timeouts", 0.0), grade_metrics.get("reward/errors", 0.0)]
-    )
-    return records, {**timer.metrics(), "reward/timeouts": timeouts, "reward/errors": errors}
-
-
-def _shape_overlong(cfg: RunConfig, records: list[dict]) -> None:
-    """DAPO overlong reward shaping: a linear penalty over the last ``overlong_buffer_tokens`` of the budget."""
-    a = cfg.algorithm
-    if a.overlong_buffer_tokens == 0:
-        return
-    limit = cfg.generation.max_response_tokens
-    start = limit - a.overlong_buffer_tokens
-    for rec in records:
-        rec["rewards"] = [
-            r - a.overlong_penalty * min(max(len(resp) - start, 0) / a.overlong_buffer_tokens, 1.0)
-            for r, resp in zip(rec["rewards"], rec["responses"], strict=True)
-        ]
-
-
-def _has_variance(rec: dict, threshold: float) -> bool:
-    pos = sum(r > threshold for r in rec["rewards"])
-    return 0 < pos < len(rec["rewards"])
-
-
-def _colocated(tr: Trainer) -> bool:
-    return tr.cfg.generation.backend == "vllm" and torch.cuda.is_available()
-
-
-@contextlib.contextmanager
-def generation_phase(tr: Trainer, timer: Timer, colocated: bool | None = None) -> Iterator[None]:
-    """Hand the GPU to the generator and back (the colocated order), refitting stale weights on the way.
-
-    Order: offload the policy's gradients and optimizer state (and the reference policy), wake the engine's
-    weights, stream the policy's weights in (refit), offload the policy's weights, wake the KV cache, generate,
-    put the engine to sleep, load the policy back. ``colocated`` None: vLLM on a GPU.
-    """
-    colocated = _colocated(tr) if colocated is None else colocated
-    if colocated:
-        tr.policy.offload(weights=False)  # the refit reads the weights only: free the rest first
-        if tr.ref_policy is not None:
-            tr.ref_policy.offload()
-        tr.generator.wake_up(["weights"])
-    if tr.generator_stale:
-        with timer("refit"):
-            tr.generator.update_weights(tr.policy.export_weights())
-        tr.generator_stale = False
-    if colocated:
-        tr.policy.offload()
-        tr.generator.wake_up(["kv_cache"])
-    try:
-        yield
-    finally:
-        if colocated:
-            tr.generator.sleep()
-            if getattr(tr.generator, "sleep_level", 1) >= 2:  # level 2 drops the weights: the next wake needs a refit
-                tr.generator_stale = True
-            tr.policy.onload()
-
-
-def rollout_phase(
-    tr: Trainer, collect: Callable[[Trainer, list[int], int], tuple[list[dict], dict[str, float]]] | None = None
-) -> tuple[list[dict], dict[str, float]]:
-    """The step's questions with their graded rollouts; dynamic sampling tops up informative ones.
-
-    With ``algorithm.dynamic_sampling`` more rounds of questions are sampled (at most
-    ``algorithm.max_sampling_rounds`` in all) until ``algorithm.min_valid_share`` of the step's questions have
-    both a positive and a negative rollout: 1.0 is DAPO's rule (all of them), 0.6 GPG's beta_th (Alg. 1 of
-    arXiv 2504.02546). The informative questions come first, zero-variance ones fill the rest.
-
-    Args:
-        tr: the trainer.
-        collect: :func:`collect_rollouts` (tests pass their own).
-    """
-    collect = collect or collect_rollouts
-    cfg = tr.cfg
-    need = cfg.algorithm.prompts_per_step
-    base_seed = (cfg.algorithm.seed * 1_000_003 + tr.step * 7919) % (2**31)
-    records, metrics = collect(tr, tr.sampler.next_batch(), base_seed)
-    if cfg.algorithm.dynamic_sampling:
-        threshold = cfg.reward.positive_threshold
-        kept = [r for r in records if _has_variance(r, threshold)]
-        spare = [r for r in records if not _has_variance(r, threshold)]
-        target = math.ceil(cfg.algorithm.min_valid_share * need - 1e-9)
-        rounds = 1
-        while len(kept) < target and rounds < cfg.algorithm.max_sampling_rounds:
-            more, m = collect(tr, tr.sampler.next_batch(), base_seed + rounds)
-            for k, v in m.items():
-                metrics[k] = metrics.get(k, 0.0) + v
-            kept += [r for r in more if _has_variance(r, threshold)]
-            spare += [r for r in more if not _has_variance(r, threshold)]
-            rounds += 1
-        metrics["train/sampling_rounds"] = float(rounds)
-        # Short of informative questions after max_sampling_rounds: fill with zero-variance ones (zero advantage).
-        records = (kept + spare)[:need]
-        metrics["train/informative_share"] = min(len(kept), need) / need
-    _shape_overlong(cfg, records)
-    return records, metrics
 
 
 def build_batch(tr: Trainer, records: list[dict]) -> RolloutBatch:
@@ -490,7 +298,7 @@ def _reference_logprobs(tr: Trainer, local: RolloutBatch) -> torch.Tensor | None
     try:
         return tr.ref_policy.logprobs(local)[0]
     finally:
-        if _colocated(tr):
+        if rollouts._colocated(tr.cfg):
             tr.ref_policy.offload()
 
 
@@ -516,8 +324,7 @@ def train_step(tr: Trainer) -> dict[str, float]:
     cfg, loss, hp, policy = tr.cfg, tr.loss, tr.loss_hp, tr.policy
     timer = Timer()
     with timer("step"):
-        with generation_phase(tr, timer):
-            records, metrics = rollout_phase(tr)
+        records, metrics = tr.rollouts.next(tr.step + 1)
         batch = build_batch(tr, records)
         num_mb = tr.cfg.updates_per_step
         local = batch.select(_local_rows(len(batch), num_mb, policy))
@@ -581,7 +388,7 @@ def train_step(tr: Trainer) -> dict[str, float]:
                     return losses.surrogate(c_local[idx].to(dev, st.dtype), st)
 
                 out = policy.train_minibatch(mb_local, surrogate_fn, entropy=loss.needs_entropy)
-                tr.generator_stale = True
+                tr.rollouts.weights_changed()
                 if out["skipped"]:
                     tr.logger.write(f"step {tr.step + 1} update {m}: non-finite gradient; update skipped")
                 update_metrics.append({**lm, **out})
@@ -619,28 +426,6 @@ def _step_metrics(
 # Validation, checkpoints, the loop
 
 
-def validate(tr: Trainer, problems: list, prompt_ids: list[list[int]], samples: int, seed: int) -> list[float]:
-    """Per-problem pass@1 (share of ``samples`` correct samples), in problem order, identical on every rank.
-
-    Each generation engine samples a contiguous share of the problems and its leader grades it; the leaders'
-    shares, gathered in engine order, are the problems in order. Their mean is the pass@1; their spread gives
-    its standard error (:mod:`nemo_disco.stats`), and two validations on the same problems give a paired gain.
-    """
-    g = tr.cfg.generation
-    share = list(range(len(problems)))[tr.engines.share(len(problems))]
-    sampling = _sampling(tr.cfg, tr.tokenizer, _engine_seed(seed, tr))
-    sampling = SamplingParams(**{**sampling.__dict__, "top_p": g.top_p})
-    with generation_phase(tr, Timer()):
-        rollouts = tr.generator.generate([prompt_ids[i] for i in share], samples, sampling) if share else []
-    if not tr.engines.leader:
-        share, rollouts = [], []
-    texts = [tr.tokenizer.decode(r.token_ids, skip_special_tokens=True) for rs in rollouts for r in rs]
-    truths = [problems[i].answer for i in share for _ in range(samples)]
-    scores, _ = tr.grader.score(texts, truths) if texts else ([], {})
-    local = [sum(scores[k * samples : (k + 1) * samples]) / samples for k in range(len(share))]
-    return _gather_engines(local, tr)
-
-
 def _log_validation(tr: Trainer, step: int, per_problem: list[float]) -> dict[str, float]:
     """``val/pass@1`` and its standard error over problems; the per-problem values go to validation.jsonl.
 
@@ -657,18 +442,9 @@ def _log_validation(tr: Trainer, step: int, per_problem: list[float]) -> dict[st
     return {"val/pass@1": mean, "val/pass@1_se": se}
 
 
-def _val_set(tr: Trainer) -> tuple[list, list[list[int]]]:
-    cfg = tr.cfg
-    problems, _ = load_problems(cfg.data.val, **{**_data_kwargs(cfg), "on_bad_row": "skip"})
-    if cfg.data.val_max_problems:
-        problems = problems[: cfg.data.val_max_problems]
-    ids, kept, _ = encode_run_prompts(tr.tokenizer, problems, cfg)
-    return [problems[i] for i in kept], ids
-
-
 def save_checkpoint(tr: Trainer) -> Path:
     """Atomic checkpoint of the current step."""
-    state = {"sampler": tr.sampler.state_dict(), "rng": checkpoint.rng_state()}
+    state = {**tr.rollouts.state_dict(tr.step), "rng": checkpoint.rng_state()}
     return checkpoint.save(tr.run_dir, tr.step, tr.policy, state, tr.cfg, tr.cfg.checkpoint.keep_last)
 
 
@@ -701,11 +477,23 @@ def train(cfg: RunConfig) -> dict[str, float]:
         Preempted: after SIGUSR1 (exit code 3, requeue) or SIGTERM (exit code 0) with a checkpoint saved.
         checkpoint.SaveError: a checkpoint could not be written (the previous one is intact).
     """
-    distributed.init(timeout_minutes=_collective_timeout_minutes(cfg))
+    timeout = _collective_timeout_minutes(cfg)
+    role = None
+    if cfg.algorithm.async_rollouts:
+        name, env, link = distributed.init_roles(cfg.world_size, cfg.generation_world_size, timeout)
+        role = (env, link)
+    else:
+        distributed.init(timeout_minutes=timeout)
     wd = watchdog.from_env(cfg.cluster.step_timeout_s, Path(cfg.logging.run_dir))
     wd.start()
     try:
-        last = _train(cfg, wd)
+        if role is not None and name == "generator":
+            code = rollouts.serve(cfg, env, link, wd)
+            wd.stop()
+            if code:
+                raise Preempted(code)
+            return {}
+        last = _train(cfg, wd, role)
     except (Preempted, KeyboardInterrupt):
         wd.stop()
         raise
@@ -721,40 +509,54 @@ def train(cfg: RunConfig) -> dict[str, float]:
     return last
 
 
-def _train(cfg: RunConfig, wd: watchdog.Watchdog) -> dict[str, float]:
-    tr = setup(cfg)
+def _train(
+    cfg: RunConfig, wd: watchdog.Watchdog, role: tuple[distributed.DistEnv, distributed.Link] | None
+) -> dict[str, float]:
+    tr = setup(cfg, role)
     _install_signal_handlers(tr)
-    val = _val_set(tr) if cfg.data.val else None
+    a = cfg.algorithm
+    val_every = cfg.data.val_every if cfg.data.val else 0
     last: dict[str, float] = {}
+    code: int | None = None  # the exit code the generator is told to end with (None: an error)
     try:
-        if val is not None and tr.step == 0:
+        if isinstance(tr.rollouts, rollouts.RemoteRollouts):
+            first_val = a.seed if cfg.data.val and tr.step == 0 else None
+            with wd.phase("step", "weights to the generator"):
+                tr.rollouts.start(tr.step, first_val)
+        if cfg.data.val and tr.step == 0:
             with wd.phase("validation", "validation before step 1"):
-                per_problem = validate(tr, *val, cfg.data.val_samples, seed=cfg.algorithm.seed)
+                per_problem = tr.rollouts.validate(0, a.seed)
             tr.logger.log(0, _log_validation(tr, 0, per_problem))
-        while tr.step < cfg.algorithm.steps:
+        while tr.step < a.steps:
             label = f"step {tr.step + 1}"
             with wd.phase("step", label):
                 metrics = train_step(tr)
-            tr.step += 1
-            if val is not None and cfg.data.val_every and tr.step % cfg.data.val_every == 0:
-                with wd.phase("validation", f"validation after {label}"):
-                    per_problem = validate(tr, *val, cfg.data.val_samples, seed=cfg.algorithm.seed + tr.step)
-                metrics.update(_log_validation(tr, tr.step, per_problem))
-            with wd.phase("step", f"{label} (metrics and signals)"):
-                tr.logger.log(tr.step, metrics)
+                tr.step += 1
                 sig = _signal_agreed(tr)
+                val_due = bool(val_every) and tr.step % val_every == 0
+                more = tr.step < a.steps and not sig
+                metrics["timing/publish"] = tr.rollouts.publish(
+                    tr.step, validate_seed=a.seed + tr.step if val_due else None, more=more
+                )
+            if val_due:
+                with wd.phase("validation", f"validation after {label}"):
+                    per_problem = tr.rollouts.validate(tr.step, a.seed + tr.step)
+                metrics.update(_log_validation(tr, tr.step, per_problem))
+            with wd.phase("step", f"{label} (metrics)"):
+                tr.logger.log(tr.step, metrics)
             last = metrics
             periodic = cfg.checkpoint.save_every and tr.step % cfg.checkpoint.save_every == 0
-            if periodic or sig or tr.step == cfg.algorithm.steps:
+            if periodic or sig or tr.step == a.steps:
                 with wd.phase("checkpoint", f"checkpoint step {tr.step}"):
                     path = save_checkpoint(tr)
                 tr.logger.write(f"checkpoint {path}")
             if sig:
-                raise Preempted(EXIT_REQUEUE if sig == signal.SIGUSR1 else 0)
+                code = EXIT_REQUEUE if sig == signal.SIGUSR1 else 0
+                raise Preempted(code)
+        code = 0
     finally:
         tr.logger.close()
-        tr.grader.close()
-        tr.generator.shutdown()
+        tr.rollouts.close(code)
     if tr.env.is_main:
         (tr.run_dir / "final.json").write_text(json.dumps({"step": tr.step, **last}, indent=1))
     return last

@@ -31,6 +31,7 @@ def _train(args: argparse.Namespace) -> int:
     _check_sources(cfg)
     from nemo_disco import algorithm, checkpoint
 
+    generators = _spawn_generators(cfg, args)
     try:
         algorithm.train(cfg)
     except algorithm.Preempted as stop:
@@ -38,9 +39,53 @@ def _train(args: argparse.Namespace) -> int:
         return stop.code
     except checkpoint.SaveError:  # its one-line message is already printed by algorithm.train
         return 1
+    finally:
+        _reap(generators)
     if os.environ.get("RANK", "0") == "0":
         _report(cfg)
     return 0
+
+
+def _spawn_generators(cfg: config_lib.RunConfig, args: argparse.Namespace) -> list:
+    """Without a launcher, an asynchronous run on one trainer process starts the generator's processes itself.
+
+    They run this same command as the launched ranks after the trainer's (torchrun's variables, a free port on
+    this host; the trainer's process serves the rendezvous store, as rank 0 does under srun).
+    """
+    import socket
+    import subprocess
+
+    from nemo_disco import distributed
+
+    if not cfg.algorithm.async_rollouts or distributed.read_env().world_size > 1:
+        return []
+    if cfg.world_size != 1:
+        raise UserError(
+            f"an asynchronous run with {cfg.world_size} trainer processes needs a launcher: torchrun "
+            f"--nproc-per-node {cfg.launch_world_size} -m nemo_disco.cli train ... (or slurm/train.sbatch)"
+        )
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    world = cfg.launch_world_size
+    layout = {"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1"}
+    layout["MASTER_PORT"] = str(port)
+    os.environ.update({**layout, "RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0"})
+    cmd = [sys.executable, "-m", "nemo_disco.cli", "train", "--config", args.config, *args.overrides]
+    return [subprocess.Popen(cmd, env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(1, world)]
+
+
+def _reap(procs: list, grace_s: float = 60.0) -> None:
+    """Wait for spawned generator processes (they stop when told, or when their watchdog sees the trainer go)."""
+    import subprocess
+
+    for proc in procs:
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            print(f"nemo-disco: generator process {proc.pid} still up after {grace_s:.0f} s: killed", file=sys.stderr)
+            proc.kill()
+            proc.wait()
 
 
 def _check_sources(cfg: config_lib.RunConfig) -> None:

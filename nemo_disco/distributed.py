@@ -211,7 +211,7 @@ def store_client(timeout_s: float) -> Any | None:
     Args:
         timeout_s: how long one store operation may wait before it raises.
     """
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if not dist.is_initialized() or read_env().world_size == 1:
         return None
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not addr or not port:
@@ -219,6 +219,161 @@ def store_client(timeout_s: float) -> Any | None:
     return dist.TCPStore(
         addr, int(port), is_master=False, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s)
     )
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Asynchronous rollouts: a trainer and a generator in one job
+
+
+def _job_store(info: DistEnv, timeout: datetime.timedelta) -> Any:
+    """The job's rendezvous store, as ``init_process_group("env://")`` reaches it.
+
+    Served by torchrun's agent (``TORCHELASTIC_USE_AGENT_STORE``) or, without one (srun, a spawned generator),
+    by launch rank 0.
+    """
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    return dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        info.world_size,
+        is_master=info.rank == 0 and not agent,
+        timeout=timeout,
+        wait_for_workers=False,
+    )
+
+
+def init_roles(trainer_world: int, generator_world: int, timeout_minutes: int = 30) -> tuple[str, DistEnv, Link]:
+    """Split the launched job into the trainer (ranks ``0 .. trainer_world - 1``) and the generator (the rest).
+
+    Each role gets a default group of its own (Megatron, the engines and every collective of the package see
+    their role only, exactly as in a job of that size); the two meet through the :class:`Link`. The watchdog
+    keeps the launched ranks (:func:`read_env`): one ring over both roles.
+
+    Returns:
+        The role ("trainer" or "generator"), this process's place in its role, and the link.
+
+    Raises:
+        RuntimeError: the launcher started a different number of processes.
+    """
+    info = read_env()
+    if info.world_size != trainer_world + generator_world:
+        raise RuntimeError(
+            f"the launcher started {info.world_size} process(es) but the recipe expects {trainer_world} for the "
+            f"trainer + {generator_world} for the generator (cluster.* with algorithm.async_rollouts=true)"
+        )
+    if torch.cuda.is_available():
+        torch.cuda.set_device(cuda_device_index())
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    store = dist.PrefixStore(
+        f"nemo_disco/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", _job_store(info, timeout)
+    )
+    role = "trainer" if info.rank < trainer_world else "generator"
+    role_rank = info.rank if role == "trainer" else info.rank - trainer_world
+    role_world = trainer_world if role == "trainer" else generator_world
+    if not dist.is_initialized():
+        dist.init_process_group(
+            "nccl" if torch.cuda.is_available() else "gloo",
+            store=dist.PrefixStore(f"{role}/", store),
+            rank=role_rank,
+            world_size=role_world,
+            timeout=timeout,
+        )
+    env = DistEnv(role_rank, role_world, info.local_rank, info.local_world_size, info.node_rank)
+    return role, env, Link(store, role, role_rank, generator_world, timeout)
+
+
+class Link:
+    """The trainer's rank 0 and the generator's ranks: rollouts go up, weights and orders go down.
+
+    Two groups of their own, outside either role's default group: ``up`` (generator rank 0 -> trainer rank 0,
+    objects) and ``down`` (trainer rank 0 -> every generator rank; objects over gloo, weight buffers over NCCL
+    between their GPUs on CUDA machines, over gloo on CPU). Each direction keeps its own order, so a generator
+    that sends rollouts from a thread of its own can take new weights meanwhile. Other trainer ranks are not
+    members (their calls raise).
+    """
+
+    def __init__(self, store: Any, role: str, role_rank: int, generator_world: int, timeout: datetime.timedelta):
+        """Connect this process's directions (blocks until the other side connects)."""
+        self.role = role
+        self.down_member = role == "generator" or role_rank == 0
+        self.up_member = role_rank == 0
+        self._down = self._down_cuda = self._up = None
+        if self.down_member:
+            down_rank = 0 if role == "trainer" else 1 + role_rank
+            down_store = dist.PrefixStore("link/down/", store)
+            self._down = dist.ProcessGroupGloo(down_store, down_rank, generator_world + 1, timeout)
+            if torch.cuda.is_available():  # NCCL between the GPUs of trainer rank 0 and the generator (untested here)
+                opts = dist.ProcessGroupNCCL.Options()
+                opts._timeout = timeout
+                cuda_store = dist.PrefixStore("link/down-cuda/", store)
+                self._down_cuda = dist.ProcessGroupNCCL(cuda_store, down_rank, generator_world + 1, opts)
+        if self.up_member:
+            up_store = dist.PrefixStore("link/up/", store)
+            self._up = dist.ProcessGroupGloo(up_store, 0 if role == "generator" else 1, 2, timeout)
+
+    @property
+    def weights_device(self) -> torch.device:
+        """Where weight buffers travel down (this process's GPU with NCCL, else the host)."""
+        return torch.device("cuda", torch.cuda.current_device()) if self._down_cuda is not None else torch.device("cpu")
+
+    def send_up(self, obj: object) -> None:
+        """Generator rank 0: send a picklable object to trainer rank 0 (blocks until it is received)."""
+        _broadcast_object_pg(self._require(self._up, "up"), obj, 0)
+
+    def recv_up(self) -> Any:
+        """Trainer rank 0: the generator's next object."""
+        return _broadcast_object_pg(self._require(self._up, "up"), None, 0)
+
+    def send_down(self, obj: object) -> None:
+        """Trainer rank 0: send a picklable object to every generator rank."""
+        _broadcast_object_pg(self._require(self._down, "down"), obj, 0)
+
+    def recv_down(self) -> Any:
+        """A generator rank: trainer rank 0's next object."""
+        return _broadcast_object_pg(self._require(self._down, "down"), None, 0)
+
+    def buffer_down(self, buf: torch.Tensor) -> torch.Tensor:
+        """Broadcast a flat buffer on :attr:`weights_device` from trainer rank 0 (in place) and return it."""
+        pg = self._down_cuda if self._down_cuda is not None else self._require(self._down, "down")
+        if buf.device != self.weights_device:
+            raise RuntimeError(
+                f"Link.buffer_down: the buffer is on {buf.device}, the link sends on {self.weights_device}"
+            )
+        _wait(pg.broadcast([buf], _root(0)))
+        return buf
+
+    def _require(self, pg: Any, name: str) -> Any:
+        if pg is None:
+            raise RuntimeError(f"this process ({self.role}) is not a member of the link's {name} direction")
+        return pg
+
+
+def _root(rank: int) -> Any:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = rank
+    return opts
+
+
+def _wait(work: Any) -> None:
+    work.wait()
+
+
+def _broadcast_object_pg(pg: Any, obj: object, root: int) -> Any:
+    """Pickle ``obj`` on ``root`` and hand it to every member of a standalone gloo group (host tensors)."""
+    import pickle
+
+    if pg.rank() == root:
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+        size = torch.tensor([payload.numel()], dtype=torch.int64)
+    else:
+        size = torch.zeros(1, dtype=torch.int64)
+    _wait(pg.broadcast([size], _root(root)))
+    if pg.rank() != root:
+        payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    _wait(pg.broadcast([payload], _root(root)))
+    return obj if pg.rank() == root else pickle.loads(payload.numpy().tobytes())
 
 
 def is_initialized() -> bool:

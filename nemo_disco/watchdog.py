@@ -395,8 +395,9 @@ def from_env(step_timeout_s: float, run_dir: Path) -> Watchdog:
     silence = silence_limit(step_timeout_s)
     return Watchdog(
         step_timeout_s,
-        rank=distributed.rank(),
-        world_size=distributed.world_size(),
+        # The launched ranks: with async rollouts, the trainer's and the generator's in one ring.
+        rank=distributed.read_env().rank,
+        world_size=distributed.read_env().world_size if distributed.is_initialized() else 1,
         stacks_dir=Path(run_dir) / "stacks",
         store=distributed.store_client(timeout_s=silence),
     )

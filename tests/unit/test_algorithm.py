@@ -1,4 +1,5 @@
-"""Pieces of the training loop that a whole run does not isolate: the colocated order of one generation phase."""
+"""Pieces of the training loop that a whole run does not isolate: the colocated order of one generation phase,
+dynamic sampling, the asynchronous staleness rule."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import pytest
 import torch
 
 from nemo_disco import config
-from nemo_disco.algorithm import generation_phase
 from nemo_disco.generation.hf import HFGenerator
 from nemo_disco.metrics import Timer
 from nemo_disco.policy.hf import HFPolicy
+from nemo_disco.rollouts import generation_phase, step_rollouts
 
 torch.set_num_threads(1)
 
@@ -109,11 +110,11 @@ class _Sampler:
         return list(range(10))
 
 
-def _collector(informative_per_round: list[int]):
+def _collector(sampler: _Sampler, informative_per_round: list[int]):
     """Rounds of 10 questions of which the first ``k`` have a positive and a negative rollout."""
 
-    def collect(tr, question_ids, seed):  # noqa: ANN001, ANN202
-        k = informative_per_round[min(tr.sampler.calls, len(informative_per_round)) - 1]
+    def collect(question_ids, seed):  # noqa: ANN001, ANN202
+        k = informative_per_round[min(sampler.calls, len(informative_per_round)) - 1]
         records = [{"rewards": [1.0, 0.0] if i < k else [0.0, 0.0], "responses": [[1], [1]]} for i in question_ids]
         return records, {"timing/generate": 1.0}
 
@@ -130,8 +131,6 @@ def _collector(informative_per_round: list[int]):
     ],
 )
 def test_dynamic_sampling_stops_at_the_informative_share(share, per_round, rounds, informative):
-    from nemo_disco.algorithm import rollout_phase
-
     cfg = config.load(
         config.Path(__file__).resolve().parents[2] / "recipes" / "disco.yaml",
         [
@@ -144,10 +143,10 @@ def test_dynamic_sampling_stops_at_the_informative_share(share, per_round, round
             "cluster.gpus_per_node=1",
         ],
     )
-    tr = SimpleNamespace(cfg=cfg, step=0, sampler=_Sampler())
-    records, metrics = rollout_phase(tr, collect=_collector(per_round))
+    ro = SimpleNamespace(cfg=cfg, sampler=_Sampler())
+    records, metrics = step_rollouts(ro, 1, collect=_collector(ro.sampler, per_round))
     assert len(records) == 10
-    assert metrics["train/sampling_rounds"] == rounds and tr.sampler.calls == rounds
+    assert metrics["train/sampling_rounds"] == rounds and ro.sampler.calls == rounds
     assert metrics["train/informative_share"] == informative
     assert metrics["timing/generate"] == rounds  # each round's metrics add up
     assert [r["rewards"] for r in records[: int(informative * 10)]] == [[1.0, 0.0]] * int(informative * 10)

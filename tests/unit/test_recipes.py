@@ -17,6 +17,9 @@ from nemo_disco import config
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 # The exemplar and the CPU demo are specified and tested elsewhere (tests/unit/test_config.py, tests/functional).
 NOT_PAPER_RUNS = {"disco", "tiny-cpu"}
+# Asynchronous-rollout variants of another recipe (docs/async.md): the same run, the generator on its own processes.
+ASYNC_VARIANTS = {"tiny-cpu-async": "tiny-cpu", "disco-logl-r1qwen7b-async-2n8g-8k": "disco-logl-r1qwen7b-2n8g-8k"}
+NOT_PAPER_RUNS |= set(ASYNC_VARIANTS)
 
 QWEN_1_5B = "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B"
 QWEN_7B = "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B"
@@ -284,3 +287,24 @@ def test_recipe_sets_only_what_differs_from_the_exemplar(name):
             if dotted not in restated_on_purpose and _get(exemplar, dotted) == value:
                 same.append(dotted)
     assert same == [], f"{name} restates exemplar values"
+
+
+@pytest.mark.parametrize("name", sorted(ASYNC_VARIANTS))
+def test_async_variant_differs_from_its_base_only_in_the_rollout_layout(name):
+    base_name = ASYNC_VARIANTS[name]
+    raw = yaml.safe_load((RECIPES / f"{name}.yaml").read_text())
+    assert raw["defaults"] == [base_name, "_self_"]
+    cfg, base = config.load(RECIPES / f"{name}.yaml"), config.load(RECIPES / f"{base_name}.yaml")
+    assert cfg.algorithm.async_rollouts and cfg.rollout_correction == "seq_tis"
+    assert cfg.generation_world_size >= 1 and cfg.launch_world_size == cfg.world_size + cfg.generation_world_size
+    assert cfg.logging.run_dir == f"runs/{name}"
+    layout = {"algorithm": {"async_rollouts", "max_staleness"}, "cluster": {"nodes", "generation_nodes"}}
+    layout["cluster"] |= {"gpus_per_node", "generation_gpus_per_node"}
+    ours, theirs = cfg.model_dump(), base.model_dump()
+    differs = {
+        f"{section}.{key}"
+        for section, values in ours.items()
+        for key, value in values.items()
+        if value != theirs[section][key] and key not in layout.get(section, set()) and key != "run_dir"
+    }
+    assert differs == set(), differs

@@ -77,14 +77,15 @@ def _install(algorithm) -> None:  # noqa: ANN001  (the nemo_disco.algorithm modu
     algorithm.save_checkpoint = counting_save
 
     if kind == "hang":
-        collect = algorithm.collect_rollouts
+        rollouter = algorithm.rollouts.Rollouter
+        collect = rollouter.collect
 
-        def hanging_collect(tr, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        def hanging_collect(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
             if now["step"] == step and fire():
                 hang_forever()
-            return collect(tr, *args, **kwargs)
+            return collect(self, *args, **kwargs)
 
-        algorithm.collect_rollouts = hanging_collect
+        rollouter.collect = hanging_collect
     elif kind in ("kill", "stop"):
         gather = algorithm._gather_rows
         sig = signal.SIGKILL if kind == "kill" else signal.SIGSTOP
