@@ -52,14 +52,19 @@ def test_shellcheck_clean(shellcheck):
 def test_dry_run_layout_of_every_recipe(recipe):
     """Each recipe on the allocation it names: world size, ranks per node, TP x PP x DP and the exact srun line."""
     cfg = config.load(recipe)
-    nodes, per_node = cfg.cluster.nodes, cfg.cluster.gpus_per_node
-    gpu = {} if recipe.stem == "tiny-cpu" else {"SLURM_GPUS_ON_NODE": str(per_node)}
+    nodes, per_node = cfg.launch_layout  # with async rollouts: the trainer's and the generator's processes
+    cpu = recipe.stem.startswith("tiny-cpu")
+    gpu = {} if cpu else {"SLURM_GPUS_ON_NODE": str(per_node)}
     done = _run("slurm/train.sbatch", str(recipe), NEMO_DISCO_DRY_RUN="1", SLURM_NNODES=str(nodes), **gpu)
     assert done.returncode == 0, done.stderr
     out = done.stdout
-    world = nodes * per_node
-    device = "CPU, gloo" if recipe.stem == "tiny-cpu" else "GPU, NCCL"
+    world = cfg.launch_world_size
+    assert world == nodes * per_node
+    device = "CPU, gloo" if cpu else "GPU, NCCL"
     assert f"layout: {nodes} node(s) x {per_node} process(es) = world {world} ({device})" in out
+    if cfg.algorithm.async_rollouts:
+        trainer = cfg.world_size
+        assert f"): trainer ranks 0-{trainer - 1}, generator ranks {trainer}-{world - 1} (async rollouts, " in out
     p = cfg.policy
     assert f"TP {p.tensor_parallel_size} x PP {p.pipeline_parallel_size} x DP {cfg.data_parallel_size};" in out
     # One line per node; the last node ends with rank world - 1.
