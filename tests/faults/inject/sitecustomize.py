@@ -10,7 +10,9 @@ slurm/train.sbatch) and fires at training step ``<step>`` (or while checkpoint `
 - ``kill``: SIGKILL in the middle of the step (after the old log-probs, before the updates), as the OOM killer;
 - ``stop``: SIGSTOP in the middle of the step: the process freezes, sockets stay open (a lost node, a hung driver);
 - ``kill_save``: SIGKILL while ``policy/optimizer.pt`` of the checkpoint is half written;
-- ``kill_grader``: a grading worker is SIGKILLed just before an item is sent to it.
+- ``kill_grader``: a grading worker is SIGKILLed just before an item is sent to it;
+- ``kill_generator``: with asynchronous rollouts, the generator's process (``<rank>`` a generator rank) is
+  SIGKILLed as it starts the rollouts of step ``<step>``.
 
 With ``NEMO_DISCO_FAULT_ONCE=<file>`` a fault fires only if ``<file>`` does not exist, and creates it (a requeued
 or resumed run then runs clean). Every fault prints ``fault: <kind> rank <r> step <n> at <unix time>`` on stderr
@@ -86,6 +88,15 @@ def _install(algorithm) -> None:  # noqa: ANN001  (the nemo_disco.algorithm modu
             return collect(self, *args, **kwargs)
 
         rollouter.collect = hanging_collect
+    elif kind == "kill_generator":
+        step_rollouts = algorithm.rollouts.step_rollouts
+
+        def dying_rollouts(ro, at, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            if at == step and fire():
+                os.kill(os.getpid(), signal.SIGKILL)
+            return step_rollouts(ro, at, *args, **kwargs)
+
+        algorithm.rollouts.step_rollouts = dying_rollouts
     elif kind in ("kill", "stop"):
         gather = algorithm._gather_rows
         sig = signal.SIGKILL if kind == "kill" else signal.SIGSTOP
