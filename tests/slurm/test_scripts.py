@@ -20,6 +20,7 @@ from nemo_disco import config
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ["slurm/train.sbatch", "slurm/eval.sbatch", "slurm/convert.sbatch", "slurm/common.sh"]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
+ASYNC = ["algorithm.async_rollouts=true"]
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -51,14 +52,19 @@ def test_shellcheck_clean(shellcheck):
 def test_dry_run_layout_of_every_recipe(recipe):
     """Each recipe on the allocation it names: world size, ranks per node, TP x PP x DP and the exact srun line."""
     cfg = config.load(recipe)
-    nodes, per_node = cfg.cluster.nodes, cfg.cluster.gpus_per_node
-    gpu = {} if recipe.stem == "tiny-cpu" else {"SLURM_GPUS_ON_NODE": str(per_node)}
+    nodes, per_node = cfg.launch_layout  # with async rollouts: the trainer's and the generator's processes
+    cpu = recipe.stem.startswith("tiny-cpu")
+    gpu = {} if cpu else {"SLURM_GPUS_ON_NODE": str(per_node)}
     done = _run("slurm/train.sbatch", str(recipe), NEMO_DISCO_DRY_RUN="1", SLURM_NNODES=str(nodes), **gpu)
     assert done.returncode == 0, done.stderr
     out = done.stdout
-    world = nodes * per_node
-    device = "CPU, gloo" if recipe.stem == "tiny-cpu" else "GPU, NCCL"
+    world = cfg.launch_world_size
+    assert world == nodes * per_node
+    device = "CPU, gloo" if cpu else "GPU, NCCL"
     assert f"layout: {nodes} node(s) x {per_node} process(es) = world {world} ({device})" in out
+    if cfg.algorithm.async_rollouts:
+        trainer = cfg.world_size
+        assert f"): trainer ranks 0-{trainer - 1}, generator ranks {trainer}-{world - 1} (async rollouts, " in out
     p = cfg.policy
     assert f"TP {p.tensor_parallel_size} x PP {p.pipeline_parallel_size} x DP {cfg.data_parallel_size};" in out
     # One line per node; the last node ends with rank world - 1.
@@ -106,8 +112,39 @@ def test_dry_run_passes_overrides_and_container_flags_verbatim():
         (["recipes/tiny-cpu.yaml", "loss.taux=1"], {}, "unknown config key 'loss.taux'"),
         (["recipes/nope.yaml"], {}, "recipe file not found"),
         ([], {}, "usage: sbatch"),
+        (
+            ["recipes/tiny-cpu.yaml", *ASYNC, "cluster.generation_nodes=1"],
+            {},
+            "the job has 1 node(s) (SLURM_NNODES) but the recipe needs 2: cluster.nodes=1 + cluster.generation_nodes=1",
+        ),
+        (
+            ["recipes/disco.yaml", *ASYNC, "cluster.generation_nodes=1"],
+            {"SLURM_NNODES": "2", "SLURM_GPUS_ON_NODE": "4"},
+            "4 GPU(s) but the recipe needs 8 per node: cluster.gpus_per_node=8 on the trainer's and the generator's",
+        ),
+        (
+            ["recipes/disco.yaml", *ASYNC, "cluster.gpus_per_node=4", "cluster.generation_gpus_per_node=4"],
+            {"SLURM_GPUS_ON_NODE": "4"},
+            "needs 8 per node: cluster.gpus_per_node=4 + cluster.generation_gpus_per_node=4; submit with --gres=gpu:8",
+        ),
+        (
+            ["recipes/tiny-cpu.yaml", *ASYNC, "cluster.generation_gpus_per_node=1"],
+            {"NEMO_DISCO_PROCS_PER_NODE": "1"},
+            "needs 2 process(es) per node (on CPU): cluster.gpus_per_node=1 + cluster.generation_gpus_per_node=1",
+        ),
     ],
-    ids=["nodes", "gpus", "procs-per-node", "bad-key", "no-recipe", "no-args"],
+    ids=[
+        "nodes",
+        "gpus",
+        "procs-per-node",
+        "bad-key",
+        "no-recipe",
+        "no-args",
+        "async-nodes",
+        "async-gpus",
+        "async-gpus-one-node",
+        "async-procs-per-node",
+    ],
 )
 def test_bad_layout_or_recipe_fails_early_with_one_line(args, env, message):
     done = _run("slurm/train.sbatch", *args, NEMO_DISCO_DRY_RUN="1", **env)
@@ -115,6 +152,55 @@ def test_bad_layout_or_recipe_fails_early_with_one_line(args, env, message):
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("train.sbatch: error: ") and message in lines[0], done.stderr
     assert "command:" not in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("overrides", "env", "layout", "nodes"),
+    [
+        # 2 nodes x 8 GPUs: the 1-node recipe's trainer on node 0 (ranks 0-7), the generator on node 1 (8-15).
+        (
+            ["cluster.generation_nodes=1"],
+            {"SLURM_NNODES": "2", "SLURM_GPUS_ON_NODE": "8"},
+            "layout: 2 node(s) x 8 process(es) = world 16 (GPU, NCCL): trainer ranks 0-7, generator ranks 8-15 "
+            "(async rollouts, max_staleness 1); policy megatron TP 1 x PP 1 x DP 8; generator vllm TP 1 (8 engine(s))",
+            [
+                "node 0 node0: ranks 0-7 (trainer) (LOCAL_RANK 0-7)",
+                "node 1 node1: ranks 8-15 (generator) (LOCAL_RANK 0-7)",
+            ],
+        ),
+        # One 8-GPU node: trainer ranks 0-5 (DP 6: 24 x 8 = 192 rollouts per mini-batch, 32 per rank), generator 6-7.
+        (
+            [
+                "cluster.gpus_per_node=6",
+                "cluster.generation_gpus_per_node=2",
+                "algorithm.prompts_per_step=96",
+                "algorithm.minibatch_prompts=24",
+            ],
+            {"SLURM_GPUS_ON_NODE": "8"},
+            "layout: 1 node(s) x 8 process(es) = world 8 (GPU, NCCL): trainer ranks 0-5, generator ranks 6-7 "
+            "(async rollouts, max_staleness 1); policy megatron TP 1 x PP 1 x DP 6; generator vllm TP 1 (2 engine(s))",
+            ["node 0 node0: ranks 0-7 (trainer 0-5, generator 6-7) (LOCAL_RANK 0-7)"],
+        ),
+    ],
+    ids=["generator-node", "shared-node"],
+)
+def test_dry_run_of_async_rollouts_names_each_role(overrides, env, layout, nodes):
+    recipe = "recipes/disco-logl-r1qwen1.5b-1n8g-8k.yaml"
+    done = _run("slurm/train.sbatch", recipe, *ASYNC, *overrides, NEMO_DISCO_DRY_RUN="1", **env)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert layout in out
+    assert re.findall(r"\] (node \d+ .*)", out) == nodes
+    # One srun step for trainer and generator: the whole job's world, the same command on every rank.
+    cfg = config.load(ROOT / recipe, [*ASYNC, *overrides])
+    launch_nodes, per_node = cfg.launch_layout
+    command = shlex.split(out.split("command: ", 1)[1].splitlines()[0])
+    assert command[1:4] == [
+        f"--nodes={launch_nodes}",
+        f"--ntasks={cfg.launch_world_size}",
+        f"--ntasks-per-node={per_node}",
+    ]
+    assert command[-len(overrides) - len(ASYNC) - 3 :] == ["train", "--config", recipe, *ASYNC, *overrides]
 
 
 @pytest.mark.parametrize("script", ["slurm/train.sbatch", "slurm/eval.sbatch", "slurm/convert.sbatch"])

@@ -6,13 +6,17 @@
   recipe, seed and world size on one node (every non-timing key, exactly: same ranks, same data shards, same
   CPU kernels, so no float may differ);
 - ``scancel --signal=USR1 --batch`` mid-run makes the trainer checkpoint and exit 3, the script requeue the job,
-  and the requeued job (restart 1) resume from that checkpoint and finish with the uninterrupted run's metrics.
+  and the requeued job (restart 1) resume from that checkpoint and finish with the uninterrupted run's metrics;
+- asynchronous rollouts with the generator on a node of its own: the dry run puts the trainer on the first node
+  and the generator on the second, a job one node short fails with exit code 2 naming cluster.generation_nodes,
+  and the tiny recipe trains on the two nodes with rollouts one step stale.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -33,6 +37,14 @@ STEPS = 8
 # Small and fast: 8 questions x 4 rollouts per step, 2 updates per step, short warm-up, no validation; a checkpoint
 # only at the end (and on a signal).
 TINY = [*FAST_TINY, f"algorithm.steps={STEPS}", "checkpoint.save_every=0", "checkpoint.keep_last=3"]
+# Asynchronous rollouts on the two nodes: the trainer's one process on the first, the generator's on the second.
+ASYNC_STEPS = 4
+ASYNC = [
+    "cluster.nodes=1",
+    "cluster.gpus_per_node=1",
+    "algorithm.async_rollouts=true",
+    "cluster.generation_nodes=1",
+]
 
 
 def _trainer_missing() -> str | None:
@@ -150,3 +162,54 @@ def test_usr1_checkpoints_requeues_and_resumes_to_the_same_metrics(slurm_cluster
     records = _metrics(run_dir)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert _comparable(records) == _comparable(_metrics(reference_dir))
+
+
+def test_async_dry_run_puts_the_generator_on_the_second_node(slurm_cluster, job_dir):
+    job, log = _submit(slurm_cluster, job_dir, ["--nodes=2"], ASYNC, NEMO_DISCO_DRY_RUN="1")
+    info = slurm_cluster.wait_job(job, timeout=60, log=log)
+    assert info["JobState"] == "COMPLETED", slurm_cluster.tail(log)
+    out = log.read_text()
+    n1, n2 = slurm_cluster.nodes
+    assert (
+        "layout: 2 node(s) x 1 process(es) = world 2 (CPU, gloo): trainer ranks 0-0, generator ranks 1-1 "
+        "(async rollouts, max_staleness 1); policy hf TP 1 x PP 1 x DP 1; generator hf TP 1 (1 engine(s))"
+    ) in out
+    assert f"node 0 {n1}: ranks 0-0 (trainer) (LOCAL_RANK 0-0)" in out
+    assert f"node 1 {n2}: ranks 1-1 (generator) (LOCAL_RANK 0-0)" in out
+    assert f"rendezvous: MASTER_ADDR={n1} " in out
+    assert "command: srun --nodes=2 --ntasks=2 --ntasks-per-node=1 " in out
+    assert "dry run: nothing started" in out
+
+
+def test_async_layout_mismatch_names_generation_nodes(slurm_cluster, job_dir):
+    # 1 node allocated; the trainer's node plus the generator's make 2.
+    job, log = _submit(slurm_cluster, job_dir, ["--nodes=1"], ASYNC)
+    info = slurm_cluster.wait_job(job, timeout=60, log=log)
+    assert (info["JobState"], info["ExitCode"]) == ("FAILED", "2:0"), slurm_cluster.tail(log)
+    out = log.read_text()
+    assert (
+        "train.sbatch: error: the job has 1 node(s) (SLURM_NNODES) but the recipe needs 2: "
+        "cluster.nodes=1 + cluster.generation_nodes=1; submit with --nodes=2"
+    ) in out
+    assert "command:" not in out
+
+
+@requires_trainer
+def test_async_rollouts_train_across_trainer_and_generator_nodes(slurm_cluster, job_dir):
+    run_dir = job_dir / "run"
+    tiny = [*FAST_TINY, f"algorithm.steps={ASYNC_STEPS}", "checkpoint.save_every=0"]
+    args = [*ASYNC, f"logging.run_dir={run_dir}", *tiny]
+    job, log = _submit(slurm_cluster, job_dir, ["--nodes=2"], args, **THREADS)
+    info = slurm_cluster.wait_job(job, timeout=300, log=log)
+    out = log.read_text()
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0"), out[-3000:]
+    assert "trainer ranks 0-0, generator ranks 1-1 (async rollouts, max_staleness 1)" in out
+    records = _metrics(run_dir)
+    assert [r["step"] for r in records] == list(range(1, ASYNC_STEPS + 1)), out[-3000:]
+    for record in records:
+        bad = {k: v for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)}
+        assert not bad, (record["step"], bad)
+    # Step 1's rollouts come from the initial weights (nothing trained yet: staleness 0); from step 2 on the
+    # generator runs one update behind the trainer (max_staleness 1).
+    staleness = [r.get("rollout/staleness_mean") for r in records]
+    assert staleness == [0.0] + [1.0] * (ASYNC_STEPS - 1), staleness
