@@ -357,7 +357,7 @@ class Link:
             raise RuntimeError(
                 f"Link.buffer_down: the buffer is on {buf.device}, the link sends on {self.weights_device}"
             )
-        _wait(pg.broadcast([buf], _root(0)))
+        pg.broadcast([buf], _root(0)).wait()
         return buf
 
     def _require(self, pg: Any, name: str) -> Any:
@@ -372,10 +372,6 @@ def _root(rank: int) -> Any:
     return opts
 
 
-def _wait(work: Any) -> None:
-    work.wait()
-
-
 def _broadcast_object_pg(pg: Any, obj: object, root: int) -> Any:
     """Pickle ``obj`` on ``root`` and hand it to every member of a standalone gloo group (host tensors)."""
     import pickle
@@ -385,10 +381,10 @@ def _broadcast_object_pg(pg: Any, obj: object, root: int) -> Any:
         size = torch.tensor([payload.numel()], dtype=torch.int64)
     else:
         size = torch.zeros(1, dtype=torch.int64)
-    _wait(pg.broadcast([size], _root(root)))
+    pg.broadcast([size], _root(root)).wait()
     if pg.rank() != root:
         payload = torch.empty(int(size.item()), dtype=torch.uint8)
-    _wait(pg.broadcast([payload], _root(root)))
+    pg.broadcast([payload], _root(root)).wait()
     return obj if pg.rank() == root else pickle.loads(payload.numpy().tobytes())
 
 

@@ -3,8 +3,8 @@
 - ``max_staleness=0`` is the synchronous run exactly (every non-timing metric, validation included);
 - ``max_staleness=1`` is reproducible bit for bit across two runs and across a SIGKILL of the whole job and a
   resume (the checkpoint carries the rollouts made ahead);
-- under torchrun (2 trainer ranks + 1 generator rank, gloo) three steps run with finite metrics and the
-  staleness logged;
+- under torchrun (2 trainer ranks, transformers DP 2 or Megatron TP 2, + 1 generator rank, gloo) three steps run
+  with finite metrics and the staleness logged;
 - a generator process that dies is named by the trainer, which exits 5.
 """
 
@@ -80,12 +80,18 @@ def test_staleness_1_is_reproducible_and_resumes_bit_for_bit_after_a_sigkill(tmp
     assert comparable(metrics(run)) == comparable(runs[0])
 
 
-def test_torchrun_two_trainer_ranks_and_a_generator_rank(tmp_path):
+@pytest.mark.parametrize(
+    "policy",
+    [["policy.backend=hf"], ["policy.backend=megatron", "policy.tensor_parallel_size=2"]],
+    ids=["hf-dp2", "megatron-tp2"],
+)
+def test_torchrun_two_trainer_ranks_and_a_generator_rank(tmp_path, policy):
+    # Megatron TP 2: both trainer ranks gather the weights for the stream, rank 0 alone sends them.
     run = tmp_path / "run"
     torchrun = Path(sys.executable).with_name("torchrun")
     cmd = [str(torchrun), "--nproc-per-node", "3", "--master-port", str(free_port()), "-m", "nemo_disco.cli"]
     cmd += ["train", "--config", str(RECIPE), f"logging.run_dir={run}", *RUN, *ASYNC, "cluster.gpus_per_node=2"]
-    cmd += ["algorithm.steps=3"]
+    cmd += ["algorithm.steps=3", *policy]
     done = run_group(cmd, cwd=ROOT, env=trainer_env(), timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     records = metrics(run)

@@ -201,3 +201,26 @@ def test_tiny_qwen3_may_set_head_dim_apart_from_hidden_over_heads():
         EXEMPLAR, ["policy.tiny.architecture=qwen3", "policy.tiny.hidden_size=62", "policy.tiny.head_dim=32"]
     )
     assert (cfg.policy.tiny.hidden_size, cfg.policy.tiny.head_dim) == (62, 32)
+
+
+def test_async_rollout_layouts():
+    """Where the generator's processes go (ranks after the trainer's) and the layouts that are refused."""
+
+    def load(*overrides: str) -> config.RunConfig:
+        return config.load(EXEMPLAR, ["algorithm.async_rollouts=true", *overrides])
+
+    same_node = load("cluster.gpus_per_node=4", "cluster.generation_gpus_per_node=4")
+    assert (same_node.world_size, same_node.generation_world_size, same_node.launch_layout) == (4, 4, (1, 8))
+    own_nodes = load("cluster.nodes=2", "cluster.generation_nodes=1")
+    assert (own_nodes.world_size, own_nodes.generation_world_size, own_nodes.launch_layout) == (16, 8, (3, 8))
+    assert own_nodes.launch_world_size == 24 and own_nodes.rollout_correction == "seq_tis"
+    sync = config.load(EXEMPLAR, ["cluster.generation_nodes=1"])  # ignored without async rollouts
+    assert (sync.generation_world_size, sync.launch_layout, sync.rollout_correction) == (0, (1, 8), "none")
+    for overrides, fragment in [
+        ((), "cluster.generation_gpus_per_node=K"),
+        (("cluster.nodes=2", "cluster.generation_gpus_per_node=8"), "set cluster.generation_nodes"),
+        (("cluster.generation_nodes=1", "cluster.generation_gpus_per_node=4"), "must be 0 or cluster.gpus_per_node"),
+        (("cluster.generation_gpus_per_node=3", "generation.tensor_parallel_size=2"), "must divide the generator"),
+    ]:
+        with pytest.raises(ConfigError, match=fragment):
+            load(*overrides)
