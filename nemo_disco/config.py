@@ -296,7 +296,7 @@ class RunConfig(_Section):
                 f"policy.tensor_parallel_size x policy.pipeline_parallel_size = {model_parallel} must divide "
                 f"cluster.nodes x cluster.gpus_per_node = {world}"
             )
-        if self.cluster.gpus_per_node % g.tensor_parallel_size:
+        if not a.async_rollouts and self.cluster.gpus_per_node % g.tensor_parallel_size:
             raise ValueError(
                 f"generation.tensor_parallel_size={g.tensor_parallel_size} must divide "
                 f"cluster.gpus_per_node={self.cluster.gpus_per_node} (an engine is consecutive ranks of one node)"
@@ -362,10 +362,11 @@ class RunConfig(_Section):
                 f"cluster.generation_gpus_per_node={c.generation_gpus_per_node} on nodes of their own must be 0 or "
                 f"cluster.gpus_per_node={c.gpus_per_node} (every node of a job runs as many processes)"
             )
-        if self.generation_world_size % g.tensor_parallel_size:
+        per_node = c.generation_gpus_per_node or c.gpus_per_node
+        if per_node % g.tensor_parallel_size:
             raise ValueError(
-                f"generation.tensor_parallel_size={g.tensor_parallel_size} must divide the generator's "
-                f"{self.generation_world_size} process(es)"
+                f"generation.tensor_parallel_size={g.tensor_parallel_size} must divide the generator's {per_node} "
+                "process(es) per node (an engine is consecutive ranks of one node)"
             )
 
     @property

@@ -214,6 +214,9 @@ def test_async_rollout_layouts():
     own_nodes = load("cluster.nodes=2", "cluster.generation_nodes=1")
     assert (own_nodes.world_size, own_nodes.generation_world_size, own_nodes.launch_layout) == (16, 8, (3, 8))
     assert own_nodes.launch_world_size == 24 and own_nodes.rollout_correction == "seq_tis"
+    # Generation TP counts the generator's processes, not the trainer's.
+    tp2 = load("cluster.gpus_per_node=1", "cluster.generation_gpus_per_node=2", "generation.tensor_parallel_size=2")
+    assert tp2.generation_world_size == 2
     sync = config.load(EXEMPLAR, ["cluster.generation_nodes=1"])  # ignored without async rollouts
     assert (sync.generation_world_size, sync.launch_layout, sync.rollout_correction) == (0, (1, 8), "none")
     for overrides, fragment in [
