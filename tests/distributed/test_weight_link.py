@@ -76,12 +76,17 @@ def launch(args: list[str], world: int, out: Path, timeout: float) -> list[str]:
     return texts
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
+def build_model_dir(out: Path) -> Path:
+    """The tiny Qwen2 both roles load."""
     from nemo_disco.config import TinyModelConfig
     from nemo_disco.tiny import build_model
 
-    return build_model(TinyModelConfig(), tmp_path_factory.mktemp("weight_link_model"), seed=0)
+    return build_model(TinyModelConfig(), out, seed=0)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return build_model_dir(tmp_path_factory.mktemp("weight_link_model"))
 
 
 @pytest.mark.parametrize("generator_world", [1, 2])
@@ -92,6 +97,11 @@ def test_every_generator_rank_holds_the_trainers_bits_after_every_transfer(model
     print(
         f"generator_world={generator_world}: {time.perf_counter() - start:.1f}s, tensors per bucket {report['buckets']}"
     )
+    check_report(report, generator_world)
+
+
+def check_report(report: dict, generator_world: int) -> None:
+    """Every transfer bit-exact on every generator rank; the bad stream refused everywhere."""
     assert report["generator_world"] == generator_world
     for dtype in DTYPES:
         buckets = report["buckets"][dtype]  # tensors in each bucket of the last stream
@@ -160,6 +170,7 @@ def _trainer(link, model_dir: str, out_dir: str, generator_world: int) -> None:
     from nemo_disco.rollouts import send_weights
 
     report: dict = {"generator_world": generator_world, "dtypes": {}, "failed": {}, "buckets": {}}
+    report["weights_device"] = str(link.weights_device)
     report["largest_tensor_bytes"] = {}
     counting = _CountingLink(link)
     for dtype in DTYPES:
