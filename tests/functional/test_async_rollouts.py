@@ -126,3 +126,40 @@ def test_async_without_generator_processes_is_a_one_line_error(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
     assert done.returncode == 2
     assert "cluster.generation_gpus_per_node" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_sigusr1_saves_the_rollouts_made_ahead_stops_both_sides_and_resumes_exactly(tmp_path):
+    steps = ["algorithm.steps=24", "checkpoint.save_every=0"]
+    reference = _train(tmp_path / "reference", *ASYNC, *steps)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "nemo_disco.cli", "train", "--config", str(RECIPE), f"logging.run_dir={run}"]
+    cmd += [*RUN, *ASYNC, *steps]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=trainer_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not ((run / "metrics.jsonl").is_file() and len(metrics(run)) >= 3) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGUSR1)  # as Slurm does: every process of the job, the generator included
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 3, err[-3000:]  # checkpoint saved, requeue me
+    (saved,) = checkpoint_names(run)
+    stopped_at = int(saved.removeprefix("step_"))
+    assert 3 <= stopped_at < 24
+    state = json.loads((run / "checkpoints" / saved / "trainer_state.json").read_text())
+    assert [m["step"] for m in state["pending_rollouts"]] == [stopped_at + 1]
+    resumed = _train(run, *ASYNC, *steps)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert comparable(metrics(run)) == comparable(metrics(tmp_path / "reference"))
