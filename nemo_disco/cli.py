@@ -50,7 +50,8 @@ def _spawn_generators(cfg: config_lib.RunConfig, args: argparse.Namespace) -> li
     """Without a launcher, an asynchronous run on one trainer process starts the generator's processes itself.
 
     They run this same command as the launched ranks after the trainer's (torchrun's variables, a free port on
-    this host; the trainer's process serves the rendezvous store, as rank 0 does under srun).
+    this host; the trainer's process serves the rendezvous store, as rank 0 does under srun). Unless
+    ``OMP_NUM_THREADS`` is set, each process takes an equal share of the cores.
     """
     import socket
     import subprocess
@@ -68,6 +69,12 @@ def _spawn_generators(cfg: config_lib.RunConfig, args: argparse.Namespace) -> li
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     world = cfg.launch_world_size
+    if "OMP_NUM_THREADS" not in os.environ:  # as torchrun does: the processes share this machine's cores
+        import torch
+
+        threads = max(1, (os.cpu_count() or 1) // world)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
     layout = {"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1"}
     layout["MASTER_PORT"] = str(port)
     os.environ.update({**layout, "RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0"})
