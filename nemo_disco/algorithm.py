@@ -473,6 +473,9 @@ def train(cfg: RunConfig) -> dict[str, float]:
     or checkpoint save ends the run with exit code 4 (stacks in the log), a dead, frozen or failed rank ends every
     other rank with exit code 5 (the log names it).
 
+    With ``algorithm.async_rollouts`` the launched job splits into the trainer (this loop) and the generator
+    (:func:`nemo_disco.rollouts.serve`, which returns {} when the trainer tells it to stop).
+
     Raises:
         Preempted: after SIGUSR1 (exit code 3, requeue) or SIGTERM (exit code 0) with a checkpoint saved.
         checkpoint.SaveError: a checkpoint could not be written (the previous one is intact).
