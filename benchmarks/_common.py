@@ -116,6 +116,20 @@ def cpu_busy(window_s: float = 1.0) -> float:
     return 1.0 - (i1 - i0) / max(t1 - t0, 1)
 
 
+def _cpu_ticks() -> tuple[int, int]:
+    """Clock ticks of all CPUs since boot: (busy, steal); busy leaves out idle, iowait and steal."""
+    f = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:9]]  # guest time is in user
+    steal = f[7] if len(f) > 7 else 0
+    return sum(f) - f[3] - (f[4] if len(f) > 4 else 0) - steal, steal
+
+
+def _children_cpu_s() -> float:
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
 def wait_for_quiet(max_busy: float = 0.5, timeout_s: float = 60.0) -> float:
     """Wait until other processes leave about one core idle (a shared machine); returns the last busy share.
 
@@ -136,6 +150,7 @@ def run_child(
     threads: int | None = None,
     quiet: bool = True,
     quiet_timeout_s: float = 60.0,
+    quiet_max_busy: float = 0.5,
 ) -> dict[str, Any]:
     """Run ``python script args`` in a fresh process and return its ``BENCH_RESULT``.
 
@@ -144,22 +159,33 @@ def run_child(
         args: its arguments.
         timeout: seconds before the child is killed.
         threads: OMP_NUM_THREADS of the child (None or 0: torch's default).
-        quiet: first wait (up to ``quiet_timeout_s``) until other processes leave at least one core idle.
+        quiet: first wait (up to ``quiet_timeout_s``) until other processes use at most ``quiet_max_busy`` of
+            the CPUs (default: they leave at least one of two cores idle).
         quiet_timeout_s: how long to wait for that before running anyway.
+        quiet_max_busy: the share of all CPUs other processes may use.
 
     Returns:
         The child's result plus ``child_wall_s``, ``cpu_busy_before`` (share of the CPUs other processes
-        used just before the run) and ``load_avg_before`` (the 1-minute load average then).
+        used just before the run), ``load_avg_before`` (the 1-minute load average then), ``others_cpu_share``
+        (share of the CPUs used during the run by processes outside the child's tree: the machine's busy time
+        minus the child's and its waited-for descendants' CPU time) and ``steal_share`` (CPU time the
+        hypervisor gave elsewhere, same unit).
 
     Raises:
         RuntimeError: the child failed or printed no result (its stderr tail is in the message).
     """
-    busy = wait_for_quiet(timeout_s=quiet_timeout_s) if quiet else float("nan")
+    busy = wait_for_quiet(max_busy=quiet_max_busy, timeout_s=quiet_timeout_s) if quiet else float("nan")
     load = os.getloadavg()[0]
     cmd = [sys.executable, str(script), *args]
+    ticks0, steal0 = _cpu_ticks()
+    own0 = _children_cpu_s()
     t0 = time.perf_counter()
     res = subprocess.run(cmd, capture_output=True, text=True, env=bench_env(threads), cwd=ROOT, timeout=timeout)
     wall = time.perf_counter() - t0
+    ticks1, steal1 = _cpu_ticks()
+    own = _children_cpu_s() - own0
+    hz, cores = os.sysconf("SC_CLK_TCK"), os.cpu_count() or 1
+    others = max(0.0, (ticks1 - ticks0) / hz - own) / (wall * cores)
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith(MARKER)]
     if res.returncode != 0 or not lines:
         tail = (res.stderr or res.stdout)[-2500:]
@@ -168,6 +194,8 @@ def run_child(
     out["child_wall_s"] = wall
     out["cpu_busy_before"] = busy
     out["load_avg_before"] = load
+    out["others_cpu_share"] = others
+    out["steal_share"] = (steal1 - steal0) / hz / (wall * cores)
     return out
 
 
