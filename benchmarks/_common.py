@@ -2,10 +2,15 @@
 
 Every measured run happens in a fresh child process (``python benchmarks/<script>.py --child ...``) that prints
 one ``BENCH_RESULT {json}`` line; the parent interleaves the runs it compares and takes medians.
+
+Run as a script, this file is the generator process of an asynchronous run (:func:`nd_async_steps` starts it)::
+
+    python benchmarks/_common.py generator --run-dir DIR --threads 1 [--fixed-length] -- OVERRIDES...
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
 import json
@@ -14,6 +19,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -80,6 +86,14 @@ def bench_env(threads: int | None = None) -> dict[str, str]:
     return env
 
 
+def set_threads(threads: int) -> int:
+    """Set torch's intra-op threads of this process (as its ``OMP_NUM_THREADS`` says); returns the count in effect."""
+    import torch
+
+    torch.set_num_threads(threads)
+    return torch.get_num_threads()
+
+
 def emit(result: dict[str, Any]) -> None:
     """Print a child's result line (the parent reads the last one)."""
     print(MARKER + json.dumps(result), flush=True)
@@ -102,6 +116,20 @@ def cpu_busy(window_s: float = 1.0) -> float:
     return 1.0 - (i1 - i0) / max(t1 - t0, 1)
 
 
+def _cpu_ticks() -> tuple[int, int]:
+    """Clock ticks of all CPUs since boot: (busy, steal); busy leaves out idle, iowait and steal."""
+    f = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:9]]  # guest time is in user
+    steal = f[7] if len(f) > 7 else 0
+    return sum(f) - f[3] - (f[4] if len(f) > 4 else 0) - steal, steal
+
+
+def _children_cpu_s() -> float:
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
 def wait_for_quiet(max_busy: float = 0.5, timeout_s: float = 60.0) -> float:
     """Wait until other processes leave about one core idle (a shared machine); returns the last busy share.
 
@@ -115,7 +143,14 @@ def wait_for_quiet(max_busy: float = 0.5, timeout_s: float = 60.0) -> float:
 
 
 def run_child(
-    script: Path, args: Sequence[str], *, timeout: float, threads: int | None = None, quiet: bool = True
+    script: Path,
+    args: Sequence[str],
+    *,
+    timeout: float,
+    threads: int | None = None,
+    quiet: bool = True,
+    quiet_timeout_s: float = 60.0,
+    quiet_max_busy: float = 0.5,
 ) -> dict[str, Any]:
     """Run ``python script args`` in a fresh process and return its ``BENCH_RESULT``.
 
@@ -124,20 +159,33 @@ def run_child(
         args: its arguments.
         timeout: seconds before the child is killed.
         threads: OMP_NUM_THREADS of the child (None or 0: torch's default).
-        quiet: first wait (up to a minute) until other processes leave at least one core idle.
+        quiet: first wait (up to ``quiet_timeout_s``) until other processes use at most ``quiet_max_busy`` of
+            the CPUs (default: they leave at least one of two cores idle).
+        quiet_timeout_s: how long to wait for that before running anyway.
+        quiet_max_busy: the share of all CPUs other processes may use.
 
     Returns:
-        The child's result plus ``child_wall_s`` and ``cpu_busy_before`` (share of the CPUs other processes
-        used just before the run).
+        The child's result plus ``child_wall_s``, ``cpu_busy_before`` (share of the CPUs other processes
+        used just before the run), ``load_avg_before`` (the 1-minute load average then), ``others_cpu_share``
+        (share of the CPUs used during the run by processes outside the child's tree: the machine's busy time
+        minus the child's and its waited-for descendants' CPU time) and ``steal_share`` (CPU time the
+        hypervisor gave elsewhere, same unit).
 
     Raises:
         RuntimeError: the child failed or printed no result (its stderr tail is in the message).
     """
-    busy = wait_for_quiet() if quiet else float("nan")
+    busy = wait_for_quiet(max_busy=quiet_max_busy, timeout_s=quiet_timeout_s) if quiet else float("nan")
+    load = os.getloadavg()[0]
     cmd = [sys.executable, str(script), *args]
+    ticks0, steal0 = _cpu_ticks()
+    own0 = _children_cpu_s()
     t0 = time.perf_counter()
     res = subprocess.run(cmd, capture_output=True, text=True, env=bench_env(threads), cwd=ROOT, timeout=timeout)
     wall = time.perf_counter() - t0
+    ticks1, steal1 = _cpu_ticks()
+    own = _children_cpu_s() - own0
+    hz, cores = os.sysconf("SC_CLK_TCK"), os.cpu_count() or 1
+    others = max(0.0, (ticks1 - ticks0) / hz - own) / (wall * cores)
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith(MARKER)]
     if res.returncode != 0 or not lines:
         tail = (res.stderr or res.stdout)[-2500:]
@@ -145,6 +193,9 @@ def run_child(
     out = json.loads(lines[-1][len(MARKER) :])
     out["child_wall_s"] = wall
     out["cpu_busy_before"] = busy
+    out["load_avg_before"] = load
+    out["others_cpu_share"] = others
+    out["steal_share"] = (steal1 - steal0) / hz / (wall * cores)
     return out
 
 
@@ -371,12 +422,157 @@ def nd_steps(cfg: Any, steps: int, warmup: int, *, fixed_length: bool, profile: 
     }
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def nd_async_steps(
+    run_dir: Path, overrides: Sequence[str], steps: int, warmup: int, *, fixed_length: bool, generator_threads: int
+) -> dict[str, Any]:
+    """Run ``warmup + steps`` steps of an asynchronous nemo_disco run on this host, end to end.
+
+    As ``nemo-disco train`` does without a launcher (``cli._spawn_generators``): this process is launch rank 0,
+    the trainer, and runs ``algorithm.train`` unchanged; one generator process (this file as a script, launch
+    rank 1) runs ``algorithm.train`` too, which serves rollouts from it. The only benchmark hooks: the trainer's
+    metrics logger is wrapped to note when each step ends, and the generator's engine is wrapped in
+    :class:`FixedLengthGenerator` when ``fixed_length``.
+
+    Args:
+        run_dir: the run's folder (``logging.run_dir``).
+        overrides: the tiny-cpu recipe's overrides (with ``algorithm.async_rollouts=true``, one generator
+            process and ``algorithm.steps = warmup + steps``); the generator loads the same.
+        steps: measured steps.
+        warmup: steps not measured, the pipeline's fill among them (at least 1).
+        fixed_length: generate exactly ``generation.max_response_tokens`` tokens per rollout.
+        generator_threads: torch threads of the generator process (its ``OMP_NUM_THREADS``).
+
+    Returns:
+        setup seconds (start to the trainer's first step), the measured steps' metrics, their wall intervals
+        (from the previous step's end to this one's: the trainer's wall clock, whatever the generator does
+        meanwhile), completion tokens per step and the generator's thread count.
+    """
+    from nemo_disco import algorithm
+
+    cfg = load_config(run_dir, overrides)
+    if not cfg.algorithm.async_rollouts or cfg.world_size != 1 or cfg.generation_world_size != 1:
+        raise ValueError("nd_async_steps runs one trainer process and one generator process")
+    if cfg.algorithm.steps != warmup + steps or warmup < 1:
+        raise ValueError(f"algorithm.steps={cfg.algorithm.steps} must be warmup ({warmup} >= 1) + steps ({steps})")
+    layout = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    os.environ.update({**layout, "RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0"})
+    cmd = [sys.executable, str(Path(__file__).resolve()), "generator", "--run-dir", str(run_dir)]
+    cmd += ["--threads", str(generator_threads), *(["--fixed-length"] if fixed_length else []), "--", *overrides]
+    threads = {"OMP_NUM_THREADS": str(generator_threads), "MKL_NUM_THREADS": str(generator_threads)}
+    gen = subprocess.Popen(cmd, env={**os.environ, **threads, "RANK": "1", "LOCAL_RANK": "1", "GROUP_RANK": "0"})
+    training = threading.Event()
+    training.set()
+
+    def watch() -> None:  # a generator that fails before it connects would leave the trainer waiting for it
+        code = gen.wait()
+        if code != 0 and training.is_set():
+            print(f"the generator process exited {code} while the trainer ran", file=sys.stderr, flush=True)
+            os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+    ends: list[float] = []
+    records: list[dict[str, float]] = []
+    setup_done: list[float] = []
+    setup = algorithm.setup
+
+    def timed_setup(cfg: Any, role: Any = None) -> Any:
+        tr = setup(cfg, role)
+        log = tr.logger.log
+
+        def timed_log(step: int, metrics: dict[str, float]) -> None:
+            log(step, metrics)
+            if step >= 1:  # (a record for step 0 would be a validation)
+                ends.append(time.perf_counter())
+                records.append(dict(metrics))
+
+        tr.logger.log = timed_log
+        setup_done.append(time.perf_counter())
+        return tr
+
+    algorithm.setup = timed_setup
+    t0 = time.perf_counter()
+    try:
+        algorithm.train(cfg)
+    finally:
+        training.clear()
+        algorithm.setup = setup
+        try:
+            gen.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            gen.kill()
+            gen.wait()
+    if gen.returncode != 0:
+        raise RuntimeError(f"the generator process exited {gen.returncode}")
+    facts = json.loads((Path(run_dir) / "generator.json").read_text())
+    walls = [b - a for a, b in zip(ends[warmup - 1 : -1], ends[warmup:], strict=True)]
+    rollouts = cfg.algorithm.prompts_per_step * cfg.algorithm.rollouts_per_prompt
+    measured = records[warmup:]
+    return {
+        "setup_s": setup_done[0] - t0,
+        "metrics": measured,
+        "wall_s": walls,
+        "completion_tokens": [m["train/response_length_mean"] * rollouts for m in measured],
+        "generator_threads": facts["threads"],
+    }
+
+
+def _generator_main(argv: Sequence[str]) -> int:
+    """The generator process of :func:`nd_async_steps`: ``algorithm.train`` as launch rank 1."""
+    ap = argparse.ArgumentParser(description="generator process of an asynchronous benchmark run")
+    ap.add_argument("role", choices=["generator"])
+    ap.add_argument("--run-dir", type=Path, required=True)
+    ap.add_argument("--threads", type=int, required=True)
+    ap.add_argument("--fixed-length", action="store_true")
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = ap.parse_args(argv[:cut])
+    args.overrides = list(argv[cut + 1 :])
+    threads = set_threads(args.threads)
+    from nemo_disco import algorithm, rollouts
+
+    if args.fixed_length:
+        build = rollouts.build_generator  # serve() builds its engine through this module-level name
+
+        def build_fixed(cfg: Any, model_dir: Path) -> FixedLengthGenerator:
+            return FixedLengthGenerator(build(cfg, model_dir))
+
+        rollouts.build_generator = build_fixed
+    algorithm.train(load_config(args.run_dir, args.overrides))
+    (args.run_dir / "generator.json").write_text(json.dumps({"threads": threads}))
+    return 0
+
+
 def step_phases(metrics: dict[str, float]) -> dict[str, float]:
     """Seconds of each phase of one step; ``other`` = step minus the timed phases."""
     names = ("generate", "grade", "old_logprobs", "train", "refit")
     out = {n: float(metrics.get(f"timing/{n}", 0.0)) for n in names}
     out["step"] = float(metrics["timing/step"])
     out["other"] = out["step"] - sum(out[n] for n in names)
+    return out
+
+
+def async_step_phases(metrics: dict[str, float], wall: float) -> dict[str, float]:
+    """Where one step of an asynchronous run goes (seconds), seen from both processes.
+
+    Trainer: ``wait`` (blocked on the step's rollouts), ``old_logprobs``, ``train``, ``publish`` (weights sent)
+    and ``other`` (wall minus those: batch building, logging). Generator (that step's rollouts, made while the
+    previous step trained): ``generate``, ``grade`` and ``generator_idle`` (wall minus both: receiving weights
+    and waiting for them).
+    """
+    out = {n: float(metrics.get(f"timing/{n}", 0.0)) for n in ("old_logprobs", "train", "publish", "generate", "grade")}
+    out["wait"] = float(metrics.get("timing/wait_rollouts", 0.0))
+    out["wall"] = wall
+    out["trainer_other"] = wall - out["wait"] - out["old_logprobs"] - out["train"] - out["publish"]
+    out["generator_idle"] = wall - out["generate"] - out["grade"]
+    out["staleness"] = float(metrics.get("rollout/staleness_mean", float("nan")))
     return out
 
 
@@ -388,3 +584,7 @@ def top_functions(profile: Path, limit: int = 25) -> str:
     buf = io.StringIO()
     pstats.Stats(str(profile), stream=buf).sort_stats("cumulative").print_stats(limit)
     return buf.getvalue()
+
+
+if __name__ == "__main__":
+    sys.exit(_generator_main(sys.argv[1:]))

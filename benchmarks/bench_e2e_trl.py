@@ -1,4 +1,4 @@
-"""End-to-end step throughput on CPU: nemo_disco (loss=grpo and loss=disco) against TRL's GRPOTrainer.
+"""End-to-end step throughput on CPU: nemo_disco (grpo, disco, disco with async rollouts) against TRL's GRPOTrainer.
 
 Both sides get the same random tiny Qwen2 (4 layers, hidden 128; built once with nemo_disco.tiny), the same
 character-level tokenizer, the same synthetic arithmetic prompts (nemo_disco.data, prompt template
@@ -12,14 +12,26 @@ completion length measured is reported, so a run that stopped early would show. 
 own code: nemo_disco's transformers generator with its KV-cached decode loop (``generation/kv_decode.py``),
 TRL with transformers' ``generate``; both on the same model in float32 on the CPU.
 
-Runs alternate in one process tree (a fresh child process per run: nd-grpo, nd-disco, trl, nd-grpo, ...),
-so slow phases of a shared machine hit every framework alike; the figures are medians over rounds, the
-ratio is TRL's seconds per step over nemo_disco's (= completion tokens/s of nemo_disco over TRL's).
+Kinds and their thread budget (``--cores``, default 2, the machine's two cores):
+
+- ``nd-grpo``, ``nd-disco``: synchronous nemo_disco (generate, grade, train in turn), one process with
+  ``cores`` torch threads;
+- ``nd-disco-async``: DisCO with ``algorithm.async_rollouts=true``, ``max_staleness=1``: the trainer process
+  and one generator process of its own (as ``nemo-disco train`` spawns it), ``cores / 2`` threads each; step
+  t's rollouts are made while step t-1 trains. Its step time is the trainer's wall clock from one step's end
+  to the next (the generator works meanwhile in its process), in steady state (the warm-up steps, the
+  pipeline's fill among them, are not measured);
+- ``trl``: TRL's GRPOTrainer, one process with ``cores`` torch threads.
+
+Runs alternate in one process tree (a fresh child process per run: nd-grpo, nd-disco, nd-disco-async, trl,
+nd-grpo, ...), so slow phases of a shared machine hit every framework alike; the figures are medians over
+rounds, the ratio is TRL's seconds per step over nemo_disco's (= completion tokens/s of nemo_disco over TRL's).
 
 Run::
 
-    .venv/bin/python benchmarks/bench_e2e_trl.py                 # 3 rounds at 32 and 128 tokens
-    .venv/bin/python benchmarks/bench_e2e_trl.py --quick         # 1 round, 32 tokens, 2 steps
+    .venv/bin/python benchmarks/bench_e2e_trl.py                 # 3 rounds at 32 and 128 tokens, every kind
+    .venv/bin/python benchmarks/bench_e2e_trl.py --quick         # 1 round, 32 tokens, 2 measured steps
+    .venv/bin/python benchmarks/bench_e2e_trl.py --kinds nd-disco-async trl --tokens 128
 """
 
 from __future__ import annotations
@@ -42,7 +54,26 @@ ROLLOUTS_PER_PROMPT = 8
 MAX_PROMPT_TOKENS = 32
 LR = 1e-5
 SEED = 1
-KINDS = ("nd-grpo", "nd-disco", "trl")
+KINDS = ("nd-grpo", "nd-disco", "nd-disco-async", "trl")
+ASYNC_OVERRIDES = ["algorithm.async_rollouts=true", "algorithm.max_staleness=1", "cluster.generation_gpus_per_node=1"]
+
+
+def thread_budget(kind: str, cores: int) -> dict[str, int]:
+    """Torch threads of each process of ``kind`` on ``cores`` cores: the trainer's, and the generator's if apart."""
+    if kind.endswith("-async"):
+        if cores < 2 or cores % 2:
+            raise ValueError(
+                f"{kind} splits the cores between trainer and generator: --cores must be even, got {cores}"
+            )
+        return {"trainer": cores // 2, "generator": cores // 2}
+    return {"trainer": cores}
+
+
+def budget_label(budget: dict[str, int]) -> str:
+    """The budget as the table shows it: 2 (1 process), or 1 + 1 (trainer + generator)."""
+    if "generator" in budget:
+        return f"{budget['trainer']} + {budget['generator']} (trainer + generator)"
+    return f"{budget['trainer']} (1 process)"
 
 
 def _rollouts() -> int:
@@ -80,24 +111,43 @@ def nd_overrides(model_dir: Path, loss: str, tokens: int, steps: int) -> list[st
 
 
 def child_nd(args: argparse.Namespace) -> dict[str, Any]:
-    """One nemo_disco run: setup, warm-up steps, measured steps."""
-    loss = args.child.removeprefix("nd-")
+    """One nemo_disco run: setup, warm-up steps, measured steps (asynchronous: with its generator process)."""
+    kind = args.child
+    budget = thread_budget(kind, args.cores)
+    threads = C.set_threads(budget["trainer"])
+    loss = kind.removeprefix("nd-").removesuffix("-async")
+    overrides = nd_overrides(args.model_dir, loss, args.tokens, args.warmup + args.steps)
     with tempfile.TemporaryDirectory(prefix="bench_nd_") as tmp:
-        cfg = C.load_config(Path(tmp), nd_overrides(args.model_dir, loss, args.tokens, args.warmup + args.steps))
-        prof = Path(args.profile) if args.profile else None
-        out = C.nd_steps(cfg, args.steps, args.warmup, fixed_length=True, profile=prof)
-    phases = [C.step_phases(m) for m in out["metrics"]]
-    return {
-        "kind": args.child,
+        if "generator" in budget:
+            out = C.nd_async_steps(
+                Path(tmp),
+                [*overrides, *ASYNC_OVERRIDES],
+                args.steps,
+                args.warmup,
+                fixed_length=True,
+                generator_threads=budget["generator"],
+            )
+        else:
+            cfg = C.load_config(Path(tmp), overrides)
+            prof = Path(args.profile) if args.profile else None
+            out = C.nd_steps(cfg, args.steps, args.warmup, fixed_length=True, profile=prof)
+    res = {
+        "kind": kind,
         "tokens": args.tokens,
+        "threads": {"trainer": threads, **({"generator": out["generator_threads"]} if "generator" in budget else {})},
         "setup_s": out["setup_s"],
         "wall_s": out["wall_s"],
         "s_per_step": statistics.median(out["wall_s"]),
-        "generate_s": statistics.median(p["generate"] for p in phases),
-        "grade_s": statistics.median(p["grade"] for p in phases),
-        "phases_s": {k: statistics.median(p[k] for p in phases) for k in phases[0]},
+        "generate_s": statistics.median(m.get("timing/generate", 0.0) for m in out["metrics"]),
+        "grade_s": statistics.median(m.get("timing/grade", 0.0) for m in out["metrics"]),
         "completion_tokens_per_step": statistics.median(out["completion_tokens"]),
     }
+    if "generator" in budget:
+        phases = [C.async_step_phases(m, w) for m, w in zip(out["metrics"], out["wall_s"], strict=True)]
+    else:
+        phases = [C.step_phases(m) for m in out["metrics"]]
+    res["phases_s"] = {k: statistics.median(p[k] for p in phases) for k in phases[0]}
+    return res
 
 
 def _prompt_dataset(model_dir: Path, size: int) -> tuple[list[str], list[str]]:
@@ -137,7 +187,7 @@ def run_trl(
     """TRL's GRPOTrainer with the model, prompts, sizes, optimizer and grader of the nemo_disco side.
 
     On the CPU in float32 (``bf16=False``), or on the GPU in bf16 (``bf16=True``, CUDA required).
-    ``warmup + steps`` optimizer steps; the first ``warmup`` are not timed.
+    ``warmup + steps`` optimizer steps; the first ``warmup`` are not timed. Torch's threads are the caller's.
     """
     import torch
     from datasets import Dataset
@@ -237,6 +287,7 @@ def run_trl(
     return {
         "kind": "trl",
         "tokens": tokens,
+        "threads": {"trainer": torch.get_num_threads()},
         "train_s": train_s,
         "wall_s": walls,
         "s_per_step": statistics.median(walls),
@@ -248,6 +299,7 @@ def run_trl(
 
 def child_trl(args: argparse.Namespace) -> dict[str, Any]:
     """One TRL GRPOTrainer run with the same model, prompts, sizes, optimizer and grader (CPU, float32)."""
+    C.set_threads(thread_budget("trl", args.cores)["trainer"])
     return run_trl(args.model_dir, args.tokens, args.steps, args.warmup)
 
 
@@ -267,6 +319,8 @@ def _child_args(kind: str, tokens: int, model_dir: Path, args: argparse.Namespac
         str(args.steps),
         "--warmup",
         str(args.warmup),
+        "--cores",
+        str(args.cores),
     ]
 
 
@@ -274,17 +328,35 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
     """Interleaved rounds of every kind at every token budget; medians and ratios."""
     model_dir = C.build_bench_model(C.RESULTS / "e2e_model")
     runs: list[dict[str, Any]] = []
+    discarded: list[dict[str, Any]] = []  # runs disturbed by other processes, run again
     for rnd in range(args.rounds):
         for tokens in args.tokens:
             for kind in args.kinds:
-                res = C.run_child(
-                    Path(__file__), _child_args(kind, tokens, model_dir, args), timeout=1800, threads=args.threads
-                )
-                res["round"] = rnd
+                threads = thread_budget(kind, args.cores)["trainer"]  # the child's OMP_NUM_THREADS
+                for attempt in range(1 + args.reruns):
+                    res = C.run_child(
+                        Path(__file__),
+                        _child_args(kind, tokens, model_dir, args),
+                        timeout=1800,
+                        threads=threads,
+                        quiet_timeout_s=args.quiet_wait,
+                        quiet_max_busy=args.max_others,
+                    )
+                    res["round"], res["attempt"] = rnd, attempt
+                    if res["others_cpu_share"] <= args.max_others or attempt == args.reruns:
+                        break
+                    print(
+                        f"round {rnd} {kind:14s} {tokens:4d} tokens: {res['s_per_step']:.3f} s/step with other "
+                        f"processes on {res['others_cpu_share']:.0%} of the CPUs: discarded, run again",
+                        flush=True,
+                    )
+                    discarded.append(res)
                 runs.append(res)
                 print(
-                    f"round {rnd} {kind:8s} {tokens:4d} tokens: {res['s_per_step']:.3f} s/step "
-                    f"(generate {res['generate_s']:.3f} s, {res['completion_tokens_per_step']:.0f} tokens/step)",
+                    f"round {rnd} {kind:14s} {tokens:4d} tokens: {res['s_per_step']:.3f} s/step "
+                    f"(generate {res['generate_s']:.3f} s, {res['completion_tokens_per_step']:.0f} tokens/step, "
+                    f"threads {res['threads']}, load {res['load_avg_before']:.2f}, "
+                    f"others {res['others_cpu_share']:.1%}, steal {res['steal_share']:.1%})",
                     flush=True,
                 )
     table: dict[str, Any] = {}
@@ -295,11 +367,16 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
             sps = C.summarize(r["s_per_step"] for r in mine)
             tps = C.summarize(r["completion_tokens_per_step"] / r["s_per_step"] for r in mine)
             row[kind] = {
+                "threads": budget_label(thread_budget(kind, args.cores)),
                 "s_per_step": sps,
                 "completion_tokens_per_s": tps,
                 "generate_s": C.summarize(r["generate_s"] for r in mine),
                 "completion_tokens_per_step": C.summarize(r["completion_tokens_per_step"] for r in mine),
             }
+            if mine and "phases_s" in mine[0]:  # medians over rounds of each run's median phase
+                row[kind]["phases_s"] = {
+                    k: statistics.median(r["phases_s"][k] for r in mine) for k in mine[0]["phases_s"]
+                }
         if "trl" in args.kinds:
             for kind in args.kinds:
                 if kind == "trl":
@@ -319,20 +396,33 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
                     "per_round": C.summarize(paired),
                 }
         table[str(tokens)] = row
-    return {"settings": vars(args) | {"model_dir": str(model_dir)}, "runs": runs, "table": table}
+    return {
+        "settings": vars(args) | {"model_dir": str(model_dir)},
+        "runs": runs,
+        "discarded_runs": discarded,
+        "table": table,
+    }
 
 
 def _print_table(result: dict[str, Any]) -> None:
-    print("\ntokens  kind       s/step (median, min-max)      completion tok/s   generate s   vs TRL")
+    print(
+        "\ntokens  kind            threads                         s/step (median, min-max)  completion tok/s"
+        "  generate s  vs TRL"
+    )
     for tokens, row in result["table"].items():
         for kind, r in row.items():
             s = r["s_per_step"]
             ratio = r.get("tokens_per_s_vs_trl", {}).get("ratio_of_medians")
             print(
-                f"{tokens:>6}  {kind:9s}  {s['median']:.3f} ({s['min']:.3f}-{s['max']:.3f})"
-                f"{'':10s}{r['completion_tokens_per_s']['median']:10.0f}   {r['generate_s']['median']:9.3f}"
+                f"{tokens:>6}  {kind:14s}  {r['threads']:30s}  {s['median']:.3f} ({s['min']:.3f}-{s['max']:.3f})"
+                f"{'':6s}{r['completion_tokens_per_s']['median']:10.0f}   {r['generate_s']['median']:9.3f}"
                 f"   {'' if ratio is None else f'{ratio:.2f}x'}"
             )
+    for tokens, row in result["table"].items():
+        for kind, r in row.items():
+            if "phases_s" in r:
+                phases = ", ".join(f"{k} {v:.3f}" for k, v in r["phases_s"].items())
+                print(f"{tokens:>6}  {kind:14s}  seconds per step: {phases}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -342,11 +432,37 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", default=None, help="(child) write a cProfile of the measured nemo_disco steps here")
     ap.add_argument("--tokens", type=int, nargs="+", default=[32, 128], help="completion tokens (fixed length)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (one run of every kind per round)")
-    ap.add_argument("--steps", type=int, default=3, help="measured steps per run")
-    ap.add_argument("--warmup", type=int, default=1, help="untimed steps per run (at least 1)")
-    ap.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
-    ap.add_argument("--threads", type=int, default=1, help=C.THREADS_HELP)
-    ap.add_argument("--quick", action="store_true", help="1 round at 32 tokens, 2 measured steps")
+    ap.add_argument("--steps", type=int, default=4, help="measured steps per run")
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        help="untimed steps per run (at least 1; async: at least 2, the pipeline fills)",
+    )
+    ap.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS), help="kinds to run (default: all)")
+    ap.add_argument(
+        "--cores",
+        type=int,
+        default=2,
+        help="thread budget of every kind: one process with this many torch threads (nd-grpo, nd-disco, trl), or "
+        "trainer and generator processes with half each (nd-disco-async)",
+    )
+    ap.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=60.0,
+        help="seconds to wait before each run for other processes to leave a core idle (then it runs anyway and "
+        "records how busy the machine was; a 2-thread process on a busy 2-core machine slows many-fold)",
+    )
+    ap.add_argument(
+        "--max-others",
+        type=float,
+        default=0.1,
+        help="share of the CPUs other processes may use before a run starts and during it; a run above it is "
+        "run again (up to --reruns times; the last attempt is kept, its share recorded)",
+    )
+    ap.add_argument("--reruns", type=int, default=3, help="extra attempts of a run disturbed by other processes")
+    ap.add_argument("--quick", action="store_true", help="1 round at 32 tokens, 2 measured steps, no reruns")
     args = ap.parse_args(argv)
     if args.child:
         if args.tokens and len(args.tokens) != 1:
@@ -356,8 +472,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.warmup < 1:
         ap.error("--warmup must be at least 1")
+    if any(k.endswith("-async") for k in args.kinds) and args.warmup < 2:
+        ap.error("nd-disco-async needs --warmup 2 or more (step 1 waits for the first rollouts, step 2 was made ahead)")
     if args.quick:
-        args.rounds, args.tokens, args.steps = 1, [32], 2
+        args.rounds, args.tokens, args.steps, args.reruns = 1, [32], 2, 0
     if "trl" in args.kinds:
         try:
             import trl  # noqa: F401

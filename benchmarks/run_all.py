@@ -7,7 +7,7 @@ benchmark is reported and the others still run; the exit code is 1 if any failed
 
 Run::
 
-    .venv/bin/python benchmarks/run_all.py            # full (about 12 minutes on 2 CPU cores)
+    .venv/bin/python benchmarks/run_all.py            # full (about 16 minutes on 2 CPU cores)
     .venv/bin/python benchmarks/run_all.py --quick    # a few minutes
 """
 
