@@ -163,3 +163,19 @@ def test_sigusr1_saves_the_rollouts_made_ahead_stops_both_sides_and_resumes_exac
     resumed = _train(run, *ASYNC, *steps)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert comparable(metrics(run)) == comparable(metrics(tmp_path / "reference"))
+
+
+def test_a_hung_generator_ends_the_run_with_exit_4_naming_its_phase(tmp_path):
+    # The generator hangs in its first rollouts (the injector's step counter stays 0 there: no train_step runs).
+    run = tmp_path / "run"
+    done = _train(run, *ASYNC, fault="hang@1:0")
+    log = done.stdout + done.stderr
+    assert done.returncode == watchdog.EXIT_HUNG, log[-4000:]
+    # Both wait about as long: the generator's limit on its rollouts or the trainer's on step 1 fires first.
+    lines = {rank: message(log, rank)[1] for rank in (0, 1)}
+    own = "generator: rollouts of step 1 has run for"
+    assert lines[1].startswith(own) or lines[1].startswith("stopping: rank 0 reported: step 1 has run"), lines
+    if lines[1].startswith(own):
+        assert lines[0].startswith("stopping: rank 1 reported: " + own), lines
+    stacks = {p.name.split("-rank")[1][0]: p.read_text() for p in (run / "stacks").iterdir()}
+    assert sorted(stacks) == ["0", "1"] and "hang_forever" in stacks["1"]
