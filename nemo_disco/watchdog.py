@@ -110,7 +110,7 @@ class Watchdog:
         self.interval_s = self.silence_s / BEATS_PER_SILENCE
         self.host, self.pid = socket.gethostname(), os.getpid()
         self.slowest: dict[str, float] = {}
-        self._emit = emit or (lambda line: print(line, file=sys.stderr, flush=True))
+        self._emit = emit or _write_line
         self._phase: tuple[str, str, float, float] | None = None  # kind, label, start, limit
         self._lock = threading.Lock()
         self._exit_lock = threading.Lock()
@@ -367,6 +367,21 @@ class Watchdog:
         except OSError:
             return None
         return self.stacks_dir / name
+
+
+def _write_line(line: str) -> None:
+    """Write ``line`` to stderr on a line of its own, in one write.
+
+    Every rank of a node shares the job's log: another rank's stack dump (many small writes) may be half-way
+    through a line. One write of up to PIPE_BUF bytes is not split on a pipe, and the leading newline starts
+    the message on a fresh line, so ``grep '^nemo-disco:'`` finds every rank's.
+    """
+    sys.stderr.flush()
+    data = f"\n{line}\n".encode(errors="replace")
+    try:
+        os.write(sys.stderr.fileno(), data)
+    except (OSError, ValueError):  # no file descriptor (a captured stream): write through Python
+        print(line, file=sys.stderr, flush=True)
 
 
 def _now() -> str:
