@@ -6,7 +6,10 @@ import os
 import signal
 import socket
 import subprocess
+import sys
+import time
 from collections.abc import Sequence
+from pathlib import Path
 
 # recipes/tiny-cpu.yaml shrunk for tests: 8 questions x 4 rollouts per step, 2 updates per step, a short
 # warm-up (40 updates, no accuracy target), no validation, no progress bar or TensorBoard. Callers add steps
@@ -54,3 +57,42 @@ def run_group(cmd: Sequence[str], *, timeout: float, **kwargs: object) -> subpro
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def launch_ranks(
+    script: Path, args: Sequence[str], world: int, out: Path, timeout: float, env: dict[str, str] | None = None
+) -> list[str]:
+    """Run ``world`` copies of ``script --worker ARGS`` with torchrun's variables; each rank's output (rank order).
+
+    Rank 0 serves the rendezvous store (no torchrun agent). On timeout every process is killed; any rank that
+    did not exit 0 fails the calling test with every rank's log tail.
+    """
+    root = Path(__file__).resolve().parents[1]
+    base = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_USE_AGENT_STORE"}
+    base.update({**THREADS, **(env or {})})
+    base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world))
+    base.update(LOCAL_WORLD_SIZE=str(world), PYTHONPATH=os.pathsep.join([str(root), base.get("PYTHONPATH", "")]))
+    logs = [out / f"rank{r}.log" for r in range(world)]
+    procs = []
+    for r in range(world):
+        with open(logs[r], "w") as log:
+            cmd = [sys.executable, str(script), "--worker", *args]
+            env_r = {**base, "RANK": str(r), "LOCAL_RANK": str(r), "GROUP_RANK": "0"}
+            procs.append(subprocess.Popen(cmd, env=env_r, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    texts = [log.read_text() for log in logs]
+    codes = [p.returncode for p in procs]
+    assert codes == [0] * world, "\n".join(
+        f"--- rank {r} (exit {c}) ---\n{t[-4000:]}" for r, (c, t) in enumerate(zip(codes, texts, strict=True))
+    )
+    return texts

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,7 +30,7 @@ import pytest
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parents[1]))
 
-from procs import THREADS, free_port  # noqa: E402
+from procs import launch_ranks  # noqa: E402
 
 BUCKET_BYTES = 12 * 1024
 TRANSFERS = 3
@@ -40,40 +39,8 @@ BAD_NAME = "model.layers.0.mlp.not_a_weight"
 
 
 def launch(args: list[str], world: int, out: Path, timeout: float) -> list[str]:
-    """Start ``world`` copies of this file's worker with torchrun's variables; each rank's output (rank order).
-
-    Rank 0 serves the rendezvous store (no torchrun agent). On timeout every process is killed.
-    """
-    base = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_USE_AGENT_STORE"}
-    base.update(THREADS)
-    base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world))
-    base.update(
-        LOCAL_WORLD_SIZE=str(world), PYTHONPATH=os.pathsep.join([str(HERE.parents[2]), base.get("PYTHONPATH", "")])
-    )
-    logs = [out / f"rank{r}.log" for r in range(world)]
-    procs = []
-    for r in range(world):
-        with open(logs[r], "w") as log:
-            cmd = [sys.executable, str(HERE), "--worker", *args]
-            env_r = {**base, "RANK": str(r), "LOCAL_RANK": str(r), "GROUP_RANK": "0"}
-            procs.append(subprocess.Popen(cmd, env=env_r, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-    deadline = time.monotonic() + timeout
-    try:
-        for p in procs:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, 9)
-                p.wait()
-    texts = [log.read_text() for log in logs]
-    codes = [p.returncode for p in procs]
-    assert codes == [0] * world, "\n".join(
-        f"--- rank {r} (exit {c}) ---\n{t[-3000:]}" for r, (c, t) in enumerate(zip(codes, texts, strict=True))
-    )
-    return texts
+    """This file's worker on ``world`` ranks (:func:`procs.launch_ranks`); each rank's output."""
+    return launch_ranks(HERE, args, world, out, timeout)
 
 
 def build_model_dir(out: Path) -> Path:

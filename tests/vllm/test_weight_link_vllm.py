@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -48,7 +47,7 @@ if __name__ != "__main__":
         "vllm.sampling_params", reason="vLLM is not installed here: `make test-vllm` runs these in .venv-vllm"
     )
 
-from procs import THREADS, free_port  # noqa: E402
+from procs import launch_ranks  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 BUCKET_BYTES = 48 * 1024
@@ -62,39 +61,10 @@ FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj
 
 
 def launch(args: list[str], world: int, out: Path, timeout: float) -> list[str]:
-    """Start ``world`` copies of this file's worker with torchrun's variables; each rank's output (rank order).
-
-    Rank 0 serves the rendezvous store (no torchrun agent). On timeout every process is killed.
-    """
-    base = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_USE_AGENT_STORE"}
-    base.update({**THREADS, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"})
-    base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world))
-    base.update(LOCAL_WORLD_SIZE=str(world), PYTHONPATH=os.pathsep.join([str(ROOT), base.get("PYTHONPATH", "")]))
-    logs = [out / f"rank{r}.log" for r in range(world)]
-    procs = []
-    for r in range(world):
-        with open(logs[r], "w") as log:
-            cmd = [sys.executable, str(HERE), "--worker", *args]
-            env_r = {**base, "RANK": str(r), "LOCAL_RANK": str(r), "GROUP_RANK": "0"}
-            procs.append(subprocess.Popen(cmd, env=env_r, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-    deadline = time.monotonic() + timeout
-    try:
-        for p in procs:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, 9)
-                p.wait()
-    texts = [log.read_text() for log in logs]
-    codes = [p.returncode for p in procs]
-    report = "\n".join(
-        f"--- rank {r} (exit {c}) ---\n{t[-4000:]}" for r, (c, t) in enumerate(zip(codes, texts, strict=True))
+    """This file's worker on ``world`` ranks (:func:`procs.launch_ranks`); each rank's output."""
+    return launch_ranks(
+        HERE, args, world, out, timeout, env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     )
-    assert codes == [0] * world, report
-    return texts
 
 
 def _tiny(tied: bool):
