@@ -101,9 +101,10 @@ class PolicyConfig(_Section):
     warmup_updates: int = Field(0, ge=0)
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
     use_distributed_optimizer: bool = True
-    # Megatron layer spec: "auto" = Transformer Engine when CUDA is present and it imports (the choice and its
-    # reason are logged; a GPU run that falls back warns with the import error); true = require it (fail with
-    # the import error); false = the local spec.
+    # Megatron layer spec: "auto" = Transformer Engine on a GPU in bf16 / fp16 (a TE that does not import is an
+    # error there, naming the remedy), the local spec on the CPU and in float32 (TE has no packed fp32
+    # attention and runs fp32 GEMMs in TF32); true = require it; false = the local spec (short sequences only:
+    # its attention is quadratic in memory).
     transformer_engine: bool | Literal["auto"] = "auto"
 
 
@@ -305,6 +306,11 @@ class RunConfig(_Section):
             raise ValueError(
                 f"generation.tensor_parallel_size={g.tensor_parallel_size} needs generation.backend=vllm "
                 "(the transformers generator runs one engine per process)"
+            )
+        if p.backend == "megatron" and p.transformer_engine is True and p.dtype == "float32":
+            raise ValueError(
+                "policy.transformer_engine=true needs policy.dtype bfloat16 or float16 (Transformer Engine has no "
+                "packed float32 attention and runs float32 GEMMs in TF32); use policy.transformer_engine=auto"
             )
         data_parallel = world // model_parallel
         stage_ranks = world // p.pipeline_parallel_size

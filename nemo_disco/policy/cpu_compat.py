@@ -7,12 +7,20 @@ p2p tensors), ``device="cuda"`` literals (the pipeline schedules' token counter,
 sync of megatron-core >= 0.17, and the CUDA RNG tracker that forks dropout randomness. The MoE layer adds a
 side stream and an event for its token counts (``torch.cuda.Stream``, ``torch.cuda.stream``,
 ``record_event().synchronize()`` in the all-to-all token dispatcher, whose split sizes become host lists only
-when they come from CUDA tensors), and 0.16.1's router names
-``te_general_gemm`` without defining it when Transformer Engine is absent. :func:`apply` patches exactly
-these, and only when ``torch.cuda.is_available()`` is False; it is idempotent. :func:`device_scope` is
-a context manager that maps ``device="cuda"`` factory arguments and ``Tensor.cuda()`` to the CPU while
-Megatron code runs (a no-op with CUDA). The causal mask that mcore builds on CUDA (``get_default_causal_mask``)
+when they come from CUDA tensors). :func:`apply` patches exactly these, and only when
+``torch.cuda.is_available()`` is False; it is idempotent. :func:`device_scope` is a context manager that
+maps ``device="cuda"`` factory arguments and ``Tensor.cuda()`` to the CPU while Megatron code runs (a no-op
+with CUDA). The causal mask that mcore builds on CUDA (``get_default_causal_mask``)
 is avoided by always passing an explicit attention mask.
+
+Device placement, which a CPU run cannot otherwise see: on a GPU, mcore creates most parameters on
+``torch.cuda.current_device()`` but a few on the host (the MoE router's weight, the local spec's torch norms).
+:func:`emulate_device` ("meta") makes ``torch.cuda.current_device()`` and the CUDA literals name PyTorch's
+``meta`` device instead of the CPU, and has the policy build as on a GPU (no CPU initialisation): what mcore
+puts on "the GPU" lands on ``meta``, what it puts on the host stays on the CPU, so a test can assert that the
+built model, its gradient buffers and its exported weights are all on the policy's device. Meta tensors hold
+no data: construction, a forward up to the first data-dependent operation and the weight export run; a train
+step does not.
 
 With these, GPTModel (local layer spec, ``use_cpu_initialization=True``) runs forward and backward at any
 TP x PP x DP over gloo, through the pipeline schedules and Megatron DDP, MoE layers included (all-to-all
@@ -32,6 +40,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 _APPLIED = False
+#: Where mcore's "GPU" tensors go on a machine without CUDA: the CPU, or ``meta`` under :func:`emulate_device`.
+_DEVICE = torch.device("cpu")
 
 # Factory functions whose ``device=`` keyword Megatron fills with "cuda".
 _FACTORIES = {
@@ -64,14 +74,14 @@ class _CudaToCpu(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204, D105
         kwargs = dict(kwargs or {})
         if func in _FACTORIES and _is_cuda(kwargs.get("device")):
-            kwargs["device"] = "cpu"
+            kwargs["device"] = _DEVICE
             kwargs.pop("pin_memory", None)
         elif func is torch.Tensor.cuda:
-            return args[0]
+            return args[0].to(_DEVICE)
         elif func is torch.Tensor.to:
             if _is_cuda(kwargs.get("device")):
-                kwargs["device"] = "cpu"
-            args = tuple("cpu" if _is_cuda(a) else a for a in args)
+                kwargs["device"] = _DEVICE
+            args = tuple(_DEVICE if _is_cuda(a) else a for a in args)
         return func(*args, **kwargs)
 
 
@@ -80,6 +90,23 @@ def device_scope() -> contextlib.AbstractContextManager:
     if torch.cuda.is_available():
         return contextlib.nullcontext()
     return _CudaToCpu()
+
+
+def device() -> torch.device:
+    """The device that stands for the GPU on a machine without CUDA: the CPU, or ``meta`` when emulated."""
+    return _DEVICE
+
+
+def emulate_device(name: str) -> None:
+    """Test aid: place what mcore puts on the GPU on ``name`` ("meta") and build as on a GPU (call before apply).
+
+    Raises:
+        RuntimeError: CUDA is available (there is a real device to place things on), or the patches are in place.
+    """
+    global _DEVICE
+    if torch.cuda.is_available() or _APPLIED:
+        raise RuntimeError("emulate_device: call it once, on a machine without CUDA, before cpu_compat.apply()")
+    _DEVICE = torch.device(name)
 
 
 def apply() -> bool:
@@ -95,7 +122,7 @@ def apply() -> bool:
         return True
     # Buffers are placed on `torch.cuda.current_device()` throughout mcore; a device string works everywhere
     # an index would be used as a device.
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    torch.cuda.current_device = lambda: str(_DEVICE)  # type: ignore[assignment]
     # p2p communication and process-group setup synchronise the (absent) CUDA stream.
     torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
     # megatron-core >= 0.17's DDP gradient sync orders its work on the current stream; the MoE token
@@ -147,15 +174,13 @@ _NULL_STREAM = _NullStream()
 
 
 def _patch_moe() -> None:
-    """The MoE layer on CPU: ``te_general_gemm`` defined, the dispatcher's split sizes as host lists.
+    """The MoE layer on CPU: the dispatcher's split sizes as host lists.
 
-    megatron-core 0.16.1's router gating tests ``te_general_gemm is not None`` but only defines the name when
-    Transformer Engine imports: a NameError otherwise.
+    (0.16.1's undefined ``te_general_gemm`` is not a CPU matter: ``megatron.define_missing_te_names`` defines it
+    wherever Transformer Engine is absent, GPU included.)
     """
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
     # The all-to-all dispatcher copies its split sizes to the host "as numpy" (lists for all_to_all_single)
     # only when they are CUDA tensors; on the CPU they would stay tensors, which all_to_all_single refuses.
     to_host = moe_utils.maybe_move_tensor_to_cpu

@@ -4,9 +4,10 @@ Layout and parallelism:
   - ``parallel_state`` is initialised from the default process group (torchrun / srun started it; a single
     process without one gets a one-rank gloo group), TP x PP from ``policy.tensor_parallel_size`` /
     ``policy.pipeline_parallel_size``, DP = world / (TP x PP). Each rank holds its shard of the model.
-  - ``policy.transformer_engine``: ``auto`` takes the Transformer Engine layer spec when CUDA is present and
-    ``transformer_engine`` imports, and logs which spec runs and why (a warning, with the import error, when
-    a GPU run falls back); ``true`` fails with that error instead; ``false`` is the local spec. With TE,
+  - ``policy.transformer_engine``: ``auto`` takes the Transformer Engine layer spec on a GPU in bf16 / fp16
+    and the local spec on the CPU or in float32 (TE has no fp32 packed attention and runs fp32 GEMMs in TF32);
+    a GPU run in 16-bit whose TE does not import stops with the import error and the remedy
+    (:func:`decide_transformer_engine`); ``true`` requires TE; ``false`` is the local spec. With TE,
     sequences are packed (THD, no padding). Otherwise the local layer spec on a padded batch with an explicit
     attention mask (mcore's own causal mask is built on CUDA). On CPU ``cpu_compat`` patches the CUDA
     assumptions.
@@ -113,42 +114,63 @@ def te_import_error() -> str | None:
     return None
 
 
+#: What to do when a GPU run cannot use Transformer Engine (the local spec's attention is quadratic in memory).
+TE_REMEDY = (
+    "install transformer-engine (the NGC PyTorch container ships it), or set policy.transformer_engine=false "
+    "with policy.activation_checkpointing=true for short sequences only: the local layer spec materialises "
+    "[heads, S, S] attention scores in every layer and runs out of memory at 8k-16k tokens"
+)
+
+
 def decide_transformer_engine(
-    setting: bool | Literal["auto"], cuda: bool, import_error: str | None
+    setting: bool | Literal["auto"], cuda: bool, import_error: str | None, dtype: str = "bfloat16"
 ) -> tuple[bool, str]:
     """Whether to build the Transformer Engine layer spec, and why (pure; :func:`use_transformer_engine` logs it).
+
+    TE runs in bf16 / fp16 only here: with TE every micro-batch is packed (THD), and TE's
+    ``get_attention_backend`` has no backend for fp32 THD (FlashAttention and fused attention are off for fp32,
+    unfused attention is off for ``thd``: "No dot product attention backend"); TE also computes pure fp32 GEMMs
+    in TF32 (``CUBLAS_COMPUTE_32F_FAST_TF32``) whatever torch's flags say. float32 therefore takes the local
+    spec on a padded batch. On a GPU in 16-bit, ``auto`` requires TE: the local spec's attention materialises
+    ``[b * heads, S, S]`` scores in every layer, which does not fit at RL lengths, so a missing TE is an error
+    naming the remedy rather than an out-of-memory hours later.
 
     Args:
         setting: ``policy.transformer_engine``: "auto", True (required) or False (local spec).
         cuda: whether CUDA is available.
         import_error: :func:`te_import_error`'s answer (ignored without CUDA: TE is never installed on CPU).
+        dtype: ``policy.dtype``.
 
     Raises:
-        RuntimeError: ``setting`` is True and TE cannot run here (no CUDA, or the import failed: its error).
+        RuntimeError: TE is required (``true``, or ``auto`` on a GPU in 16-bit) and cannot run here: no CUDA, the
+            import failed (its error and the remedy), or float32.
     """
     if setting is False:
         return False, "local layer spec: policy.transformer_engine=false"
+    if dtype == "float32":
+        if setting is True:
+            raise RuntimeError(
+                "policy.transformer_engine=true needs policy.dtype bfloat16 or float16: Transformer Engine has no "
+                "attention backend for packed float32 sequences and runs float32 GEMMs in TF32"
+            )
+        return False, "local layer spec: policy.dtype=float32 (Transformer Engine runs packed 16-bit only)"
     if not cuda:
         if setting is True:
             raise RuntimeError("policy.transformer_engine=true needs a CUDA device; none is available")
         return False, "local layer spec: no CUDA device (Transformer Engine is GPU only)"
     if import_error is not None:
-        if setting is True:
-            raise RuntimeError(
-                f"policy.transformer_engine=true but transformer_engine failed to import: {import_error}"
-            )
-        return False, (
-            f"local layer spec: transformer_engine failed to import ({import_error}); set "
-            "policy.transformer_engine=true to make this an error, or false to silence it"
+        raise RuntimeError(
+            f"policy.transformer_engine={str(setting).lower()} on a GPU but transformer_engine failed to import: "
+            f"{import_error}. Fix: {TE_REMEDY}"
         )
     return True, "Transformer Engine layer spec (packed sequences)"
 
 
-def use_transformer_engine(setting: bool | Literal["auto"]) -> bool:
-    """:func:`decide_transformer_engine` on this machine; logs the choice (a warning when a GPU run falls back)."""
+def use_transformer_engine(setting: bool | Literal["auto"], dtype: str = "bfloat16") -> bool:
+    """:func:`decide_transformer_engine` on this machine; logs the choice."""
     cuda = torch.cuda.is_available()
-    use, why = decide_transformer_engine(setting, cuda, te_import_error() if cuda else None)
-    (log.warning if cuda and not use and setting == "auto" else log.info)("Megatron policy: %s", why)
+    use, why = decide_transformer_engine(setting, cuda, te_import_error() if cuda else None, dtype)
+    log.info("Megatron policy: %s", why)
     return use
 
 
@@ -347,7 +369,8 @@ def transformer_config(
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
-        use_cpu_initialization=not on_gpu,
+        # On the CPU (a GPU emulated on ``meta`` builds as on a GPU: see cpu_compat.emulate_device).
+        use_cpu_initialization=not on_gpu and cpu_compat.device().type == "cpu",
         # Every parameter is overwritten from the checkpoint, but mcore only marks tensor-parallel parameters
         # (``tensor_model_parallel``, which the gradient norm relies on) inside its initialisation.
         perform_initialization=True,
@@ -387,8 +410,9 @@ def build_gpt_model(spec: weights.ModelSpec, config: Any, padded_vocab: int, use
             layer_spec.submodules.sharded_state_dict_keys_map = keys
         if config.sequence_parallel:
             layer_spec = _sequence_parallel_local_spec(layer_spec, config)
+    define_missing_te_names()
     with cpu_compat.device_scope():
-        return GPTModel(
+        model = GPTModel(
             config=config,
             transformer_layer_spec=layer_spec,
             vocab_size=padded_vocab,
@@ -402,6 +426,44 @@ def build_gpt_model(spec: weights.ModelSpec, config: Any, padded_vocab: int, use
             rope_scaling=spec.rope_scaling_factor is not None,
             rope_scaling_factor=spec.rope_scaling_factor or 8.0,
         )
+    return place_model(model, model_device(), config.params_dtype)
+
+
+def model_device() -> torch.device:
+    """Where this process's model lives: its current GPU, else the CPU (or what ``cpu_compat`` emulates)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return cpu_compat.device()
+
+
+def place_model(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """Every parameter and buffer on ``device``, every floating-point parameter in ``dtype`` (in place).
+
+    mcore builds most of a model on the current GPU, but not all of it: the MoE router's weight
+    (``moe/router.py``: ``torch.empty(..., dtype=torch.float32)``, no device) and the local spec's torch norms
+    (``torch_norm.py``: ``torch.nn.RMSNorm(...)``, host, float32) start on the host. Megatron-LM's ``get_model``
+    moves the model with ``.cuda()`` and casts it to bf16 / fp16 (``Float16Module``) before DDP and the
+    optimizer see it; this does the same. DDP would move only parameters it copies into its buffers (a frozen
+    router never is), and a reference policy has no DDP at all.
+    """
+    model.to(device)
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+    return model
+
+
+def define_missing_te_names() -> None:
+    """Work around megatron-core 0.16.1 naming ``te_general_gemm`` without defining it when TE is absent.
+
+    ``moe/moe_utils.py`` imports ``te_general_gemm`` inside its Transformer Engine ``try`` block only, then the
+    router's gating tests ``te_general_gemm is not None``: a NameError on any machine without TE, GPU included.
+    Later releases define it; this is a no-op there.
+    """
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 class LocalRMSNorm(torch.nn.RMSNorm):
@@ -838,12 +900,12 @@ class MegatronPolicy:
             )
         init_parallel(self.tp, self.pp, cfg.algorithm.seed, ep=self.ep if self.spec.is_moe else None)
         # After init: under torchrun / srun it selects this process's GPU.
-        self.device = torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else torch.device("cpu")
+        self.device = model_device()
         from_checkpoint = is_checkpoint_dir(self.model_dir)
         meta = read_checkpoint_meta(self.model_dir) if from_checkpoint else {}
         self.vocab_multiple = vocab_multiple or meta.get("vocab_multiple") or weights.DEFAULT_VOCAB_MULTIPLE
         self.padded_vocab = weights.padded_vocab_size(self.spec.vocab_size, self.tp, self.vocab_multiple)
-        self.use_te = use_transformer_engine(pc.transformer_engine)
+        self.use_te = use_transformer_engine(pc.transformer_engine, pc.dtype)
         self.layer_spec = LAYER_SPECS[0] if self.use_te else LAYER_SPECS[1]
         self.packed = self.use_te  # THD packing needs TE attention
         self.temperature = cfg.generation.temperature

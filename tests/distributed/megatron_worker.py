@@ -13,6 +13,8 @@ Scenarios (``--scenario``):
   router      one process, a MoE model: the reported load-balancing loss and the gradient of the optional one
               against transformers' router logits; a frozen router gets no update; recomputation counts once.
   gpu         CUDA only: bf16, TE spec and packing (when TE imports), distributed optimizer, offload, save / load.
+  placement   one process, GPU placement emulated on ``meta``: trained and reference policies (dense, MoE),
+              parameters / buffers / gradient buffers / exported weights on the policy's device, bf16 norms.
   gpu_rules   one process on CPU: the GPU rules a CPU can show (optimizer decay groups of both paths, fusion
               flags against mcore's constructors, cross-spec checkpoint loads, the forward-only reference).
 The pytest side (test_megatron_*.py) builds the tiny models, launches this script and asserts on the JSON.
@@ -443,7 +445,11 @@ def scenario_gpu(args: argparse.Namespace, world: int, rank: int) -> dict:
     model_dir = Path(args.models[0])
     batch = make_batch()
     ref = hf_reference(model_dir, batch)
-    cfg = make_cfg(world, args.tp, 1, **{"policy.dtype": "bfloat16", "policy.use_distributed_optimizer": True})
+    from nemo_disco.policy.megatron import te_import_error
+
+    te = "auto" if te_import_error() is None else False  # auto stops a 16-bit GPU run without TE
+    over = {"policy.dtype": "bfloat16", "policy.use_distributed_optimizer": True, "policy.transformer_engine": te}
+    cfg = make_cfg(world, args.tp, 1, **over)
     policy = MegatronPolicy(cfg, model_dir, vocab_multiple=args.vocab_multiple)
     res: dict = {"use_te": policy.use_te, "packed": policy.packed}
     from safetensors.torch import load_file
@@ -591,6 +597,74 @@ def scenario_gpu_rules(args: argparse.Namespace, world: int, rank: int) -> dict:
 
     policy.save(Path(args.out) / "policy")
     res["meta_layer_spec"] = json.loads((Path(args.out) / "policy" / "megatron.json").read_text())["layer_spec"]
+    return res
+
+
+def scenario_placement(args: argparse.Namespace, world: int, rank: int) -> dict:
+    """Device placement as on a GPU, on PyTorch's ``meta`` device (cpu_compat.emulate_device): per model, the
+    trained and the reference policy in bf16; where every parameter, buffer, gradient buffer and exported tensor
+    is, each floating parameter's dtype, a forward through the schedule (dense) and each MoE router's gating."""
+    from nemo_disco.policy import cpu_compat
+
+    cpu_compat.emulate_device("meta")
+    from nemo_disco.policy import megatron as mp
+
+    res: dict = {}
+    for model_dir in map(Path, args.models):
+        cfg = make_cfg(1, **{"policy.dtype": "bfloat16"})
+        for trainable in (True, False):
+            policy = mp.MegatronPolicy(cfg, model_dir, vocab_multiple=args.vocab_multiple, trainable=trainable)
+            r: dict = {"policy_device": str(policy.device)}
+
+            def off(named: object, device: torch.device = policy.device) -> list[str]:
+                return sorted(f"{n} ({t.device.type})" for n, t in named if t.device != device)
+
+            r["params_off_device"] = off(policy.gpt.named_parameters())
+            r["buffers_off_device"] = off(policy.gpt.named_buffers())
+            r["params_not_bf16"] = sorted(
+                f"{n} ({p.dtype})"
+                for n, p in policy.gpt.named_parameters()
+                if p.is_floating_point() and p.dtype != torch.bfloat16
+            )
+            if trainable:
+                r["main_grads_off_device"] = off(
+                    (n, p.main_grad) for n, p in policy.gpt.named_parameters() if p.requires_grad
+                )
+                r["grad_buffers_off_device"] = sorted(
+                    str(b.grad_data.device) for b in policy._param_buffers() if b.grad_data.device != policy.device
+                )
+            try:
+                exported = list(policy.export_weights())
+                r["export_off_device"] = sorted(n for n, t in exported if t.device != policy.device)
+                r["export_count"] = len(exported)
+            except Exception as err:  # noqa: BLE001
+                r["export_error"] = f"{type(err).__name__}: {err}"
+            if policy.spec.is_moe:
+                from megatron.core.transformer.moe.router import TopKRouter
+
+                hidden = torch.zeros(4, 1, policy.spec.hidden_size, dtype=torch.bfloat16, device=policy.device)
+                gating = []
+                for router in (m for m in policy.gpt.modules() if isinstance(m, TopKRouter)):
+                    try:
+                        gating.append(str(router.gating(hidden).device))
+                    except Exception as err:  # noqa: BLE001
+                        gating.append(f"{type(err).__name__}: {str(err).splitlines()[0]}")
+                r["router_gating"] = gating
+            else:
+                batch = make_batch()
+                seen: list[str] = []
+
+                def record(mb, lp, ent, seen: list[str] = seen) -> torch.Tensor:  # noqa: ANN001
+                    seen.append(str(lp.device))
+                    return lp.new_zeros(())
+
+                try:
+                    policy._run(policy._microbatches(batch), batch.response_ids.shape[1], False, record, True)
+                    r["forward_logprob_devices"] = sorted(set(seen))
+                except Exception as err:  # noqa: BLE001
+                    r["forward_error"] = f"{type(err).__name__}: {str(err).splitlines()[0]}"
+            res[f"{model_dir.name}_{'trained' if trainable else 'reference'}"] = r
+            del policy
     return res
 
 
@@ -754,7 +828,9 @@ def test_non_finite_surrogate_skips_the_update(parallel_results: list[dict]) -> 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument(
-        "--scenario", required=True, choices=["parallel", "checkpoint", "single", "router", "gpu", "gpu_rules"]
+        "--scenario",
+        required=True,
+        choices=["parallel", "checkpoint", "single", "router", "gpu", "gpu_rules", "placement"],
     )
     parser.add_argument("--models", nargs="+", required=True)
     parser.add_argument("--out", required=True)
@@ -771,6 +847,7 @@ def main() -> None:
         "single": scenario_single,
         "router": scenario_router,
         "gpu": scenario_gpu,
+        "placement": scenario_placement,
         "gpu_rules": scenario_gpu_rules,
     }[args.scenario]
     result = fn(args, world, rank)

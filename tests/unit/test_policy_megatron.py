@@ -22,18 +22,45 @@ def test_auto_uses_te_when_cuda_and_the_import_work():
     assert mp.decide_transformer_engine(True, cuda=True, import_error=None)[0] is True
 
 
-def test_auto_falls_back_and_says_why():
-    use, why = mp.decide_transformer_engine("auto", cuda=True, import_error="OSError: libcudnn.so.9 not found")
-    assert use is False and "libcudnn.so.9 not found" in why and "policy.transformer_engine=true" in why
+def test_auto_on_a_gpu_without_te_stops_with_the_import_error_and_the_remedy():
+    # The local spec's attention materialises [b * heads, S, S] scores per layer: no fallback at RL lengths.
+    with pytest.raises(RuntimeError, match="libcudnn.so.9 not found") as err:
+        mp.decide_transformer_engine("auto", cuda=True, import_error="OSError: libcudnn.so.9 not found")
+    assert "install transformer-engine" in str(err.value) and "policy.transformer_engine=false" in str(err.value)
     use, why = mp.decide_transformer_engine("auto", cuda=False, import_error=None)
     assert use is False and "no CUDA" in why
 
 
-def test_true_fails_with_the_import_error():
-    with pytest.raises(RuntimeError, match="failed to import: OSError: libcudnn"):
-        mp.decide_transformer_engine(True, cuda=True, import_error="OSError: libcudnn.so.9 not found")
-    with pytest.raises(RuntimeError, match="needs a CUDA device"):
-        mp.decide_transformer_engine(True, cuda=False, import_error=None)
+def test_float32_takes_the_local_spec_even_when_te_works():
+    # TE has no attention backend for packed fp32 (THD) and runs fp32 GEMMs in TF32.
+    use, why = mp.decide_transformer_engine("auto", cuda=True, import_error=None, dtype="float32")
+    assert use is False and "float32" in why
+    # ... and a GPU without TE can still run the fp32 checks.
+    assert mp.decide_transformer_engine("auto", cuda=True, import_error="ImportError: x", dtype="float32")[0] is False
+    with pytest.raises(RuntimeError, match="needs policy.dtype bfloat16 or float16"):
+        mp.decide_transformer_engine(True, cuda=True, import_error=None, dtype="float32")
+    for dtype in ("bfloat16", "float16"):
+        assert mp.decide_transformer_engine("auto", cuda=True, import_error=None, dtype=dtype)[0] is True
+
+
+def test_config_refuses_te_with_float32():
+    from nemo_disco import config
+
+    raw = config.RunConfig().model_dump(mode="json")
+    raw["policy"].update(transformer_engine=True, dtype="float32")
+    with pytest.raises(config.ConfigError, match="policy.transformer_engine=true needs policy.dtype"):
+        config.validate(raw)
+
+
+def test_te_general_gemm_is_defined_without_te_on_a_gpu_too(monkeypatch):
+    # megatron-core 0.16.1 names te_general_gemm in the router only when TE imports; the CPU shim used to define
+    # it only without CUDA, so a GPU without TE hit a NameError. The model builder defines it wherever it is absent.
+    from megatron.core.transformer.moe import moe_utils
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delattr(moe_utils, "te_general_gemm", raising=False)
+    mp.define_missing_te_names()
+    assert moe_utils.te_general_gemm is None
 
 
 def test_false_is_the_local_spec_even_when_te_works():
