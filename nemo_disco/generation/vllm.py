@@ -16,7 +16,7 @@ The colocated order of one step (``nemo_disco.algorithm.generation_phase``)::
 
 Weights: ``load_format="dummy"`` for training (random weights; the real ones arrive with the first
 refit, and :meth:`~VLLMGenerator.generate` refuses to run before it), ``"auto"`` for evaluation. A refit
-runs vLLM's layer-wise ``model_runner.reload_weights`` (which works on the CPU build too, where
+runs vLLM's layer-wise ``Worker.reload_weights`` (which works on the CPU build too, where
 ``model.load_weights`` alone fails on repacked GEMM weights) over the policy's stream, so the model is
 never materialised whole; a layer is processed as soon as all its tensors have arrived, whatever their
 order. The stream is checked against the model's Hugging Face tensors one bucket of ``refit_bucket_mb``
@@ -115,19 +115,22 @@ def _reload(worker: object, weights: Iterable[tuple[str, torch.Tensor]]) -> None
       (vLLM treats later loads as weight updates and skips it), so after a refit the kernel would read the
       new, unpacked weights as packed ones; the CPU build packs them again here.
     """
+    from vllm.config import set_current_vllm_config
     from vllm.platforms import current_platform
 
-    runner = worker.model_runner  # type: ignore[attr-defined]
-    runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
-    model = runner.get_model()
-    config = getattr(model, "config", None)
-    if getattr(config, "tie_word_embeddings", False) and hasattr(model, "lm_head"):
-        model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
-    if current_platform.is_cpu():
-        for module in model.modules():
-            kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-            if kernel is not None:
-                kernel.fused_experts.process_weights_after_loading(module)
+    # The worker's own method, not its model runner's: it runs the reload inside the engine's config context
+    # (``set_current_vllm_config``), which layers and kernels read while they re-process weights.
+    worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)  # type: ignore[attr-defined]
+    model = worker.model_runner.get_model()  # type: ignore[attr-defined]
+    with set_current_vllm_config(worker.vllm_config):  # type: ignore[attr-defined]
+        config = getattr(model, "config", None)
+        if getattr(config, "tie_word_embeddings", False) and hasattr(model, "lm_head"):
+            model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
+        if current_platform.is_cpu():
+            for module in model.modules():
+                kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+                if kernel is not None:
+                    kernel.fused_experts.process_weights_after_loading(module)
 
 
 class VLLMGenerator:

@@ -116,6 +116,36 @@ def test_a_refit_failing_part_way_is_reported_and_blocks_generation_until_a_full
     gen.bucket_bytes = 512 * 2**20
 
 
+def _spy_on_reload(worker: object) -> None:
+    """In the engine's worker: record whether vLLM's config context is set while the model runner reloads."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    runner = worker.model_runner
+    inner = type(runner).reload_weights
+    worker.reload_contexts = []
+
+    def reload_weights(*args: object, **kwargs: object) -> object:
+        worker.reload_contexts.append(get_current_vllm_config_or_none() is worker.vllm_config)
+        return inner(runner, *args, **kwargs)
+
+    runner.reload_weights = reload_weights
+
+
+def _reload_contexts(worker: object) -> list[bool]:
+    out = list(worker.reload_contexts)
+    del worker.model_runner.reload_weights, worker.reload_contexts
+    return out
+
+
+def test_refit_runs_inside_the_engines_config_context(refit):
+    # vLLM's Worker.reload_weights wraps the model runner's in set_current_vllm_config; calling the runner
+    # directly (as the refit once did) reloads with no config context.
+    gen, policy = refit
+    gen.llm.collective_rpc(_spy_on_reload)
+    gen.update_weights(policy.export_weights())
+    assert gen.llm.collective_rpc(_reload_contexts) == [[True]]
+
+
 def test_seeded_sampling_is_reproducible_and_independent_across_prompts(refit):
     gen, _ = refit
     sp = SamplingParams(temperature=1.0, max_tokens=8, stop_token_ids=(EOS,), seed=3)
