@@ -193,6 +193,8 @@ def setup(cfg: RunConfig, role: tuple[distributed.DistEnv, distributed.Link] | N
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     problems, prompt_ids, skipped, dropped = rollouts.train_problems(cfg, tokenizer)
     sampler = rollouts.new_sampler(cfg, len(problems))
+    # Synchronous: the generator first (asleep when colocated), so that vLLM finds the GPU's memory free.
+    generator = rollouts.start_generator(cfg, model_dir) if role is None else None
     policy = build_policy(cfg, model_dir)
     hp = config_lib.loss_kwargs(cfg)
     loss = losses.get_loss(cfg.loss.name, **hp)
@@ -243,7 +245,7 @@ def setup(cfg: RunConfig, role: tuple[distributed.DistEnv, distributed.Link] | N
             problems=problems,
             prompt_ids=prompt_ids,
             sampler=sampler,
-            generator=rollouts.build_generator(cfg, model_dir),
+            generator=generator,
             grader=GraderPool(cfg.reward.grader, timeout_s=cfg.reward.timeout_s, workers=cfg.reward.workers),
             engines=EngineLayout.of(env.rank, env.world_size, cfg.generation.tensor_parallel_size),
         )
@@ -298,7 +300,7 @@ def _reference_logprobs(tr: Trainer, local: RolloutBatch) -> torch.Tensor | None
     try:
         return tr.ref_policy.logprobs(local)[0]
     finally:
-        if rollouts._colocated(tr.cfg):
+        if rollouts.is_colocated(tr.cfg):
             tr.ref_policy.offload()
 
 

@@ -139,6 +139,20 @@ def build_generator(cfg: RunConfig, model_dir: Path) -> Generator:
     )
 
 
+def start_generator(cfg: RunConfig, model_dir: Path) -> Generator:
+    """The synchronous run's generator, built before the policy fills the GPU, and asleep when colocated.
+
+    vLLM sizes its KV cache from free device memory and refuses to start when less than its share
+    (``generation.gpu_memory_utilization``) is free (``v1/worker/utils.py``): built after the policy, its reference
+    and their optimizer state, an 8B model on an 80 GB GPU is within a few GB of that limit. Built first and put
+    to sleep at once (NeMo-RL's order), it leaves the GPU to the policy until the first generation phase wakes it.
+    """
+    generator = build_generator(cfg, model_dir)
+    if is_colocated(cfg):
+        generator.sleep()
+    return generator
+
+
 def sampling_params(cfg: RunConfig, tokenizer: Any, seed: int, max_tokens: int | None = None) -> SamplingParams:
     """The run's sampling settings; the stop set is the tokenizer's EOS and ``<|im_end|>`` where it exists."""
     g = cfg.generation
@@ -366,7 +380,8 @@ class RolloutSource(Protocol):
         ...
 
 
-def _colocated(cfg: RunConfig) -> bool:
+def is_colocated(cfg: RunConfig) -> bool:
+    """Whether the generator shares the trainer's GPU (vLLM on a GPU) and the two take turns with it."""
     return cfg.generation.backend == "vllm" and torch.cuda.is_available()
 
 
@@ -378,7 +393,7 @@ def generation_phase(src: LocalRollouts, timer: Timer, colocated: bool | None = 
     weights, stream the policy's weights in (refit), offload the policy's weights, wake the KV cache, generate,
     put the engine to sleep, load the policy back. ``colocated`` None: vLLM on a GPU.
     """
-    colocated = _colocated(src.cfg) if colocated is None else colocated
+    colocated = is_colocated(src.cfg) if colocated is None else colocated
     if colocated:
         src.policy.offload(weights=False)  # the refit reads the weights only: free the rest first
         if src.ref_policy is not None:

@@ -150,3 +150,46 @@ def test_dynamic_sampling_stops_at_the_informative_share(share, per_round, round
     assert metrics["train/informative_share"] == informative
     assert metrics["timing/generate"] == rounds  # each round's metrics add up
     assert [r["rewards"] for r in records[: int(informative * 10)]] == [[1.0, 0.0]] * int(informative * 10)
+
+
+def test_setup_starts_the_generator_asleep_before_the_policy_fills_the_gpu(tiny_qwen2, tmp_path, monkeypatch):
+    # vLLM refuses to start when less than its gpu_memory_utilization share is free: it must be built (and put to
+    # sleep) before the policy and the reference policy, as NeMo-RL does. The real objects run; calls are recorded.
+    from nemo_disco import algorithm, rollouts
+
+    log: list[str] = []
+    build_generator, build_policy = rollouts.build_generator, algorithm.build_policy
+
+    def generator(cfg, model_dir):  # noqa: ANN001, ANN202
+        log.append("build_generator")
+        return Recorder("generator", build_generator(cfg, model_dir), log)
+
+    def policy(cfg, model_dir, trainable=True):  # noqa: ANN001, ANN202
+        log.append(f"build_policy(trainable={trainable})")
+        return build_policy(cfg, model_dir, trainable=trainable)
+
+    monkeypatch.setattr(rollouts, "build_generator", generator)
+    monkeypatch.setattr(algorithm, "build_policy", policy)
+    monkeypatch.setattr(rollouts, "is_colocated", lambda cfg: True)  # as vLLM on a GPU
+    cfg = config.load(
+        config.Path(__file__).resolve().parents[2] / "recipes" / "tiny-cpu.yaml",
+        [
+            f"policy.model_path={tiny_qwen2}",
+            f"logging.run_dir={tmp_path / 'run'}",
+            "loss.name=grpo",  # with a KL reference policy
+            "loss.kl_coef=0.001",
+            "data.synthetic_size=64",
+            "logging.progress=false",
+        ],
+    )
+    tr = algorithm.setup(cfg)
+    try:
+        assert tr.ref_policy is not None
+        assert log == [
+            "build_generator",
+            "generator.sleep()",
+            "build_policy(trainable=True)",
+            "build_policy(trainable=False)",
+        ]
+    finally:
+        tr.rollouts.close(0)
