@@ -101,6 +101,19 @@ class PolicyConfig(_Section):
     warmup_updates: int = Field(0, ge=0)
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
     use_distributed_optimizer: bool = True
+    # Megatron DDP reduces each gradient bucket as soon as the last micro-batch's backward fills it, overlapping
+    # the data-parallel reduction with the rest of the backward (the same sums: exact).
+    overlap_grad_reduce: bool = True
+    # With the distributed optimizer: all-gather updated parameter shards bucket by bucket during the next
+    # forward instead of right after the step. Off by default: the refit, checkpoints and offload read the
+    # parameters outside a forward and must first force the gather (done, but not yet run on a GPU).
+    overlap_param_gather: bool = False
+    # Sequence parallelism at tensor_parallel_size > 1 (norms, dropout and residuals on 1/TP of the sequence;
+    # the sequence is padded to a multiple of TP). Mixture-of-experts models always use it at TP > 1 (mcore
+    # requires it to train).
+    sequence_parallel: bool = True
+    # MoE token permutation through Transformer Engine's fused kernels where they import (TE layer spec on a GPU).
+    moe_permute_fusion: bool = True
     # Megatron layer spec: "auto" = Transformer Engine on a GPU in bf16 / fp16 (a TE that does not import is an
     # error there, naming the remedy), the local spec on the CPU and in float32 (TE has no packed fp32
     # attention and runs fp32 GEMMs in TF32); true = require it; false = the local spec (short sequences only:

@@ -313,6 +313,8 @@ def transformer_config(
     recompute: bool,
     ep: int = 1,
     router_dtype: str = "float64",
+    sequence_parallel: bool = False,
+    moe_permute_fusion: bool = True,
 ) -> Any:
     """The mcore ``TransformerConfig`` of a model of ``spec`` (no dropout, per-token loss, variable shapes).
 
@@ -321,8 +323,9 @@ def transformer_config(
     which equals the renormalised top-k probabilities; otherwise softmax over all experts, then top-k), the
     all-to-all token dispatcher, ``ep``-way expert parallelism with expert tensor parallelism 1, the router in
     ``router_dtype`` ("float32" / "float64"), no load-balancing loss inside mcore (the policy adds its own, see
-    :class:`RouterBalance`), and sequence parallelism at TP > 1 (which mcore's MoE layer requires for training;
-    dense models keep the whole sequence on every TP rank).
+    :class:`RouterBalance`), and sequence parallelism at TP > 1 (which mcore's MoE layer requires for training).
+    Dense models use sequence parallelism at TP > 1 when ``sequence_parallel`` (``policy.sequence_parallel``).
+    ``moe_permute_fusion``: TE's fused token permutation, used only where it imports (the TE spec on a GPU).
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -341,12 +344,14 @@ def transformer_config(
             moe_router_dtype={"float32": "fp32", "float64": "fp64"}[router_dtype],
             # Grouped GEMM comes with Transformer Engine (the local spec would need the grouped_gemm package).
             moe_grouped_gemm=use_te,
-            moe_permute_fusion=False,
+            moe_permute_fusion=moe_permute_fusion and use_te and fused_permute_imports(),
             expert_model_parallel_size=ep,
             expert_tensor_parallel_size=1,
             # mcore's MoE layer refuses to train at TP > 1 without it.
             sequence_parallel=tp > 1,
         )
+    elif tp > 1 and sequence_parallel:
+        extra.update(sequence_parallel=True)
     return TransformerConfig(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -385,6 +390,13 @@ def transformer_config(
         moe_token_dispatcher_type="alltoall",
         **extra,
     )
+
+
+def fused_permute_imports() -> bool:
+    """Whether mcore found Transformer Engine's fused MoE permutation kernels (``moe_utils.fused_permute``)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    return getattr(moe_utils, "fused_permute", None) is not None
 
 
 def build_gpt_model(spec: weights.ModelSpec, config: Any, padded_vocab: int, use_te: bool) -> Any:
@@ -919,6 +931,8 @@ class MegatronPolicy:
             recompute=recompute,
             ep=self.ep,
             router_dtype=pc.router_dtype,
+            sequence_parallel=pc.sequence_parallel,
+            moe_permute_fusion=pc.moe_permute_fusion,
         )
         self.gpt = build_gpt_model(self.spec, self.tf_config, self.padded_vocab, self.use_te)
         if from_checkpoint:
@@ -965,15 +979,37 @@ class MegatronPolicy:
     def _wrap_ddp(self) -> Any:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
+        pc = self.cfg.policy
+        dist_opt = self.on_gpu and pc.use_distributed_optimizer
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
-            overlap_grad_reduce=False,
-            use_distributed_optimizer=self.on_gpu and self.cfg.policy.use_distributed_optimizer,
+            overlap_grad_reduce=pc.overlap_grad_reduce,
+            overlap_param_gather=dist_opt and pc.overlap_param_gather,
+            use_distributed_optimizer=dist_opt,
             # SUM over data-parallel ranks: the surrogate is already globally normalised.
             average_in_collective=False,
         )
         with cpu_compat.device_scope():
-            return DistributedDataParallel(config=self.tf_config, ddp_config=ddp_config, module=self.gpt)
+            ddp = DistributedDataParallel(config=self.tf_config, ddp_config=ddp_config, module=self.gpt)
+        if ddp_config.overlap_grad_reduce:
+            # The schedules run every micro-batch but the last under no_sync (a bucket is reduced once, when the
+            # last micro-batch's backward has filled it; Megatron-LM's training.py wires the same hooks).
+            self.tf_config.no_sync_func = ddp.no_sync
+            self.tf_config.grad_sync_func = ddp.start_grad_sync
+        if ddp_config.overlap_param_gather:
+            self.tf_config.param_sync_func = ddp.start_param_sync
+        return ddp
+
+    def _gather_params(self) -> None:
+        """Complete the distributed optimizer's deferred parameter all-gather before reading the parameters.
+
+        With ``policy.overlap_param_gather`` the gather of updated shards runs inside the next forward's
+        pre-hooks; the refit, a checkpoint and an offload read parameters without a forward (Megatron-LM forces
+        the gather the same way before it saves).
+        """
+        if self.trainable and self.model.ddp_config.overlap_param_gather:
+            self.model.disable_forward_pre_hook(param_sync=True)
+            self.model.enable_forward_pre_hook()
 
     def _build_optimizer(self) -> Any:
         return self._build_megatron_optimizer() if self.on_gpu else self._build_torch_optimizer()
@@ -1257,6 +1293,7 @@ class MegatronPolicy:
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full HF-named tensors, TP-gathered and PP-broadcast in buckets of ``generation.refit_bucket_mb``."""
+        self._gather_params()
         yield from weights.export_hf(
             dict(self.gpt.named_parameters()),
             self.spec,
@@ -1329,6 +1366,7 @@ class MegatronPolicy:
         if not self.trainable:
             raise RuntimeError("a forward-only (reference) policy has no training state to save")
         directory = Path(directory)
+        self._gather_params()
         if distributed.rank() == 0:
             directory.mkdir(parents=True, exist_ok=True)
         distributed.barrier()
@@ -1382,6 +1420,7 @@ class MegatronPolicy:
         """
         if not self.on_gpu:
             return
+        self._gather_params()
         if "optimizer" not in self._offloaded and self.trainable:
             self.model.offload_grad_buffers(synchronize=True, empty_cache=False)
             self._move_optimizer(torch.device("cpu"))

@@ -597,6 +597,26 @@ def scenario_gpu_rules(args: argparse.Namespace, world: int, rank: int) -> dict:
 
     policy.save(Path(args.out) / "policy")
     res["meta_layer_spec"] = json.loads((Path(args.out) / "policy" / "megatron.json").read_text())["layer_spec"]
+
+    # Overlapped gradient reduction with a varying number of micro-batches per update (token-budgeted micro-batches
+    # vary with the rollouts): mcore learns each bucket's "gradient ready" count on the first update; the
+    # schedules must run all micro-batches but the last under DDP's no_sync, or a later update with fewer
+    # micro-batches never issues its reduction (or one with more issues it early).
+    grads: dict[bool, list[dict[str, torch.Tensor]]] = {}
+    for overlap in (True, False):
+        pol = mp.MegatronPolicy(make_cfg(1, **{"policy.overlap_grad_reduce": overlap}), model_dir)
+        grads[overlap] = []
+        for b in (batch, make_batch(seed=1, n=4), batch):
+            try:
+                pol.accumulate_gradients(b, surrogate(coefficients(len(b))), entropy=True)
+                grads[overlap].append({n: g.clone() for n, g in pol.export_gradients()})
+            except Exception as err:  # noqa: BLE001
+                grads[overlap].append({"error": f"{type(err).__name__}: {err}"})
+        res[f"overlap_{overlap}_microbatches"] = [len(pol._microbatches(b)) for b in (batch, make_batch(seed=1, n=4))]
+    res["overlap_errors"] = [g["error"] for g in grads[True] if "error" in g]
+    res["overlap_grads_equal"] = not res["overlap_errors"] and all(
+        all(torch.equal(a[n], b[n]) for n in b) for a, b in zip(grads[True], grads[False], strict=True)
+    )
     return res
 
 

@@ -41,3 +41,9 @@ def test_reference_policy_is_forward_only(res):
     assert not res["ref_requires_grad"] and not res["ref_main_grad"]
     assert res["ref_lp_equal"] and res["ref_lp_after_offload_equal"]
     assert "forward-only" in res["ref_train_error"]
+
+
+def test_overlapped_gradient_reduction_is_exact_when_the_micro_batch_count_varies(res):
+    assert res["overlap_True_microbatches"][0] > res["overlap_True_microbatches"][1]
+    assert res["overlap_errors"] == []
+    assert res["overlap_grads_equal"] is True

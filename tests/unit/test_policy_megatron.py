@@ -163,3 +163,26 @@ def test_no_weight_decay_rule():
     assert mp.no_weight_decay("decoder.layers.0.self_attention.linear_qkv.bias", torch.zeros(8))
     assert mp.no_weight_decay("decoder.final_layernorm.weight", torch.zeros(8))
     assert not mp.no_weight_decay("decoder.layers.0.mlp.linear_fc2.weight", torch.zeros(8, 8))
+
+
+def test_gpu_defaults_sequence_parallel_at_tp_and_permute_fusion_only_where_it_imports(tmp_path):
+    from nemo_disco import config, weights
+    from nemo_disco.config import TinyModelConfig
+    from nemo_disco.tiny import build_model
+
+    defaults = config.RunConfig().policy
+    assert defaults.overlap_grad_reduce and defaults.sequence_parallel and defaults.moe_permute_fusion
+    assert defaults.overlap_param_gather is False  # the refit reads parameters outside a forward
+    dense = weights.ModelSpec.from_dir(build_model(TinyModelConfig(), tmp_path / "dense", seed=0))
+    common = {"pp": 1, "dtype": torch.float32, "use_te": False, "recompute": False}
+    assert mp.transformer_config(dense, tp=2, sequence_parallel=True, **common).sequence_parallel is True
+    assert mp.transformer_config(dense, tp=2, sequence_parallel=False, **common).sequence_parallel is False
+    assert mp.transformer_config(dense, tp=1, sequence_parallel=True, **common).sequence_parallel is False
+    moe_dir = build_model(
+        TinyModelConfig(architecture="qwen3_moe", head_dim=32, moe_intermediate_size=32), tmp_path / "moe", seed=0
+    )
+    moe = weights.ModelSpec.from_dir(moe_dir)
+    # TE's fused permutation does not import here: off even when asked for; MoE keeps SP at TP > 1 regardless.
+    cfg = mp.transformer_config(moe, tp=2, sequence_parallel=False, moe_permute_fusion=True, **common)
+    assert cfg.moe_permute_fusion is False and cfg.sequence_parallel is True
+    assert mp.fused_permute_imports() is False
