@@ -176,9 +176,12 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             else:
                 gz = logp.exp_().mul_(-g.unsqueeze(-1))  # in place: gz is logp's block
             del logp  # drop every reference before the next chunk allocates its block
+            # + g at the target's column where this shard holds it: one column per token (clamped where the target
+            # lies on another shard, then written back unchanged), so no nonzero and no host sync per chunk.
             t = tgt[r, cols] - vocab_start
-            hit = torch.nonzero((t >= 0) & (t < valid)).squeeze(-1)
-            gz[hit, t[hit]] += g[hit]
+            col = t.clamp(0, valid - 1).unsqueeze(-1)  # [c, 1]
+            at = gz.gather(1, col).squeeze(-1)  # [c]
+            gz.scatter_(1, col, torch.where((t >= 0) & (t < valid), at + g, at).unsqueeze(-1))
             dst[r, cols, :valid] = gz.div_(temperature)  # cast to the logits' dtype on copy
             del gz
         return grad, None, None, None, None, None, None, None

@@ -775,6 +775,10 @@ class RouterBalance:
     ``surrogate + c * mean over micro-batches of the summed layer losses``. mcore's own aux loss is left off: in
     per-token-loss mode it scales by the micro-batch's token count, which the policy's globally normalised
     surrogate does not divide away.
+
+    The per-layer work runs in every MoE layer of every micro-batch, so it never waits for the GPU: real tokens
+    are selected by masked arithmetic (no boolean indexing), each layer's sums stay on the device, and
+    :meth:`finish` reads them once at the end of the pass.
     """
 
     def __init__(
@@ -801,16 +805,21 @@ class RouterBalance:
         self.active = False
         self.mask: torch.Tensor | None = None  # [S * B] real tokens of the running micro-batch, mcore's order
         self.scale = 0.0
+        # layer number -> [2E + 1] float64 sums on the model's device: counts, probability sums, tokens
         self.sums: dict[int, torch.Tensor] = {}
         for router in (m for m in model.modules() if isinstance(m, TopKRouter)):
             router.routing = functools.partial(self._routing, router, router.routing)
 
     def set_tokens(self, mb: _MicroBatch) -> None:
-        """The real tokens of the micro-batch about to run, in mcore's [S, B] order (this rank's slice under SP)."""
+        """The real tokens of the micro-batch about to run, in mcore's [S, B] order (this rank's slice under SP).
+
+        Moved to the model's device here, once per micro-batch, not in every layer (non-blocking: a host-to-device
+        copy of a CPU tensor does not wait for the device's queue).
+        """
         real = mb.token_mask.t() & (not mb.filler)  # [S, B]
         if self.sp_group is not None:
             real = real.chunk(distributed.world_size(self.sp_group))[distributed.rank(self.sp_group)]
-        self.mask = real.reshape(-1)
+        self.mask = real.reshape(-1).to(mb.input_ids.device, non_blocking=True)
 
     def start(self, mbs: list[_MicroBatch], dp_group: distributed.Group) -> None:
         """Begin a training pass over ``mbs`` (this DP rank's micro-batches)."""
@@ -824,18 +833,19 @@ class RouterBalance:
         self.active = False
         e, k = self.experts, self.topk
         layers = sorted(self.sums)
-        stats = torch.stack([self.sums[n] for n in layers])  # [L_stage, 2E + 1]: counts, prob sums, tokens
+        stats = torch.stack([self.sums[n] for n in layers])  # [L_stage, 2E + 1]: counts, prob sums, tokens (device)
         distributed.all_reduce(stats, group=dp_group)
         if self.sp_group is not None:  # each TP rank routed a slice of the sequence
             distributed.all_reduce(stats, group=self.sp_group)
         tokens = stats[:, 2 * e :].clamp(min=1.0)
         share, mean_prob = stats[:, :e] / (k * tokens), stats[:, e : 2 * e] / tokens  # f_i, P_i per layer
-        total = torch.stack([(e * share * mean_prob).sum(), torch.tensor(float(len(layers)), dtype=stats.dtype)])
+        total = torch.stack([(e * share * mean_prob).sum(), stats.new_tensor(float(len(layers)))])
         busiest = (e * share).max().reshape(1)
         if pp_group is not None:
             distributed.all_reduce(total, group=pp_group)
             distributed.all_reduce(busiest, op="max", group=pp_group)
-        return {"router_balance_loss": float(total[0] / total[1]), "router_max_load": float(busiest[0])}
+        loss, load = torch.cat([total[:1] / total[1:], busiest]).tolist()  # the pass's one read to the host
+        return {"router_balance_loss": loss, "router_max_load": load}
 
     def _routing(
         self, router: Any, routing: Callable, logits: torch.Tensor, *args: Any, **kwargs: Any
@@ -843,26 +853,33 @@ class RouterBalance:
         probs, routing_map = routing(logits, *args, **kwargs)
         if not self.active or self.mask is None:
             return probs, routing_map
+        # Every layer of every micro-batch: no host sync (no boolean indexing, no float() / .item() / .cpu(), no
+        # branch on a value). Padding and filler rows are zeroed by torch.where, which also keeps a non-finite
+        # logit there out of the sums and their gradient.
         flat = logits.reshape(-1, self.experts)  # [T, E]
-        mask = self.mask.to(flat.device)
-        scores = torch.softmax(flat[mask].to(torch.float64 if flat.dtype == torch.float64 else torch.float32), -1)
-        counts = routing_map.reshape(-1, self.experts)[mask].to(scores.dtype).sum(0)  # [E]
-        n = scores.new_tensor([float(mask.sum())])
-        row = torch.cat([counts, scores.detach().sum(0), n]).double().cpu()  # this slice's sums
+        real = self.mask if self.mask.device == flat.device else self.mask.to(flat.device)
+        real = real.unsqueeze(-1)  # [T, 1]
+        dtype = torch.float64 if flat.dtype == torch.float64 else torch.float32
+        scores = torch.softmax(torch.where(real, flat.to(dtype), 0.0), -1)  # [T, E]
+        prob_sums = torch.where(real, scores, 0.0).sum(0)  # [E]
+        counts = (routing_map.reshape(-1, self.experts) & real).sum(0).to(dtype)  # [E]
+        n = real.sum().to(dtype).reshape(1)  # [1]
+        row = torch.cat([counts, prob_sums.detach(), n]).double()  # this slice's sums, on the device
         if self.sp_group is not None:  # the loss is over the whole sequence: picks and tokens of every slice
             total = distributed.all_reduce(torch.cat([counts, n]), group=self.sp_group)
             counts, n = total[:-1], total[-1:]
-        if float(n) == 0:
-            return probs, routing_map
         # With activation recomputation the forward runs twice (no grad, then with grad in the backward): count
-        # the first.
+        # the first. A layer without real tokens adds a row of zeros.
         if not (self.recompute and torch.is_grad_enabled()):
             self.sums[router.layer_number] = self.sums.get(router.layer_number, 0) + row
         if self.coef > 0 and torch.is_grad_enabled():
             from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
             # E sum_i f_i P_i; under SP this slice's share of it (its tokens' probabilities, every slice's picks).
-            loss = self.experts / (self.topk * float(n) ** 2) * (scores.sum(0) * counts).sum()
+            # The factor E / (k n^2) in float64 as a Python float would be; n = 0 (no real token): counts and
+            # probability sums are 0, the clamp keeps the loss 0 rather than NaN.
+            factor = self.experts / (self.topk * n[0].double().clamp(min=1.0) ** 2)
+            loss = factor.to(dtype) * (prob_sums * counts).sum()
             probs = MoEAuxLossAutoScaler.apply(probs, loss * self.scale)
         return probs, routing_map
 

@@ -109,3 +109,37 @@ def test_bad_shapes_are_refused():
         token_logprobs(torch.zeros(2, 3, 5), torch.zeros(2, 4, dtype=torch.long))
     with pytest.raises(ValueError, match="chunk_size=0"):
         token_logprobs(torch.zeros(2, 5), torch.zeros(2, dtype=torch.long), chunk_size=0)
+
+
+def test_a_vocabulary_shard_without_the_target_gives_it_no_gradient():
+    """One TP shard (columns 20..44 of 50) alone: tokens whose target lies on another shard get only -p_v."""
+    vocab, start, padded = 45, 20, 50
+    base = torch.randn(2, 7, padded, requires_grad=True)
+    logits = base[..., start:]  # a non-contiguous view, as a shard of the policy's logits
+    targets = torch.randint(0, vocab, (2, 7))
+    targets[0, :3] = torch.tensor([0, start, vocab - 1])  # off the shard, its first and its last real column
+    lp, _ = token_logprobs(logits, targets, temperature=0.7, vocab_start=start, vocab_size=vocab, chunk_size=3)
+    z = logits[..., : vocab - start].double() / 0.7
+    here = targets >= start
+    local = (targets - start).clamp(min=0).unsqueeze(-1)
+    ref = torch.where(here, z.gather(-1, local).squeeze(-1), 0.0) - torch.logsumexp(z, -1)
+    torch.testing.assert_close(lp.double(), ref, atol=2e-6, rtol=0)
+    w = torch.randn(targets.shape)
+    (g,) = torch.autograd.grad((w * lp).sum(), base)
+    (ref_g,) = torch.autograd.grad((w * ref).sum(), base)
+    torch.testing.assert_close(g, ref_g, atol=1e-6, rtol=0)
+
+
+def test_no_host_sync_per_chunk():
+    """On a GPU a nonzero, .item() or boolean-mask index waits for the device: once per chunk in the loop."""
+    from host_syncs import HostSyncs
+
+    vocab, start = 45, 20
+    logits = torch.randn(2, 7, 50)[..., start:].requires_grad_(True)  # a shard: some targets elsewhere
+    targets = torch.randint(0, vocab, (2, 7))
+    with HostSyncs() as syncs:
+        lp, ent = token_logprobs(logits, targets, vocab_start=start, vocab_size=vocab, chunk_size=3, entropy=True)
+    assert syncs.calls == [], syncs.calls
+    with HostSyncs() as syncs:
+        (lp.sum() + ent.sum()).backward()
+    assert syncs.calls == [], syncs.calls
