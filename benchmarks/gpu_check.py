@@ -686,8 +686,9 @@ def _te_cross_spec(model_dir: Path, root: Path, batch: Any) -> dict[str, Any]:
     """A checkpoint written by a Transformer Engine model loads into a local-spec one and back (TE only)."""
     from nemo_disco.policy import megatron as mp
 
-    if not _cuda() or mp.te_import_error() is not None:
-        return {"status": "skipped", "why": mp.te_import_error() or "no CUDA"}
+    te, why = te_for_bf16()
+    if not te:
+        return {"status": "skipped", "why": why}
     te_over = {"policy.dtype": "bfloat16", "policy.transformer_engine": True}
     te = mp.MegatronPolicy(run_config(model_dir, root / "run", **te_over), model_dir)
     te.save(root / "te_ckpt")
