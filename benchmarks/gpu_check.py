@@ -1,33 +1,49 @@
 """GPU validation of the project's own GPU code: one command, independent stages, one JSON file each.
 
 Meant for one CUDA GPU with no network, torch and transformers installed, and the wheels that
-``scripts/gpu-check-wheels.sh`` prepares (megatron-core, pydantic, omegaconf, hydra-core, math-verify, trl ...)
-installed by ``scripts/gpu-check.sh``. No vLLM and no Transformer Engine are needed: what needs them is
-reported as skipped, never replaced silently. ``--smoke`` runs every stage on the CPU with tiny shapes
-(what CI runs, so the script cannot rot); its figures mean nothing.
+``scripts/gpu-check-wheels.sh`` prepares per Python version (megatron-core, pydantic, omegaconf, hydra-core,
+math-verify, trl ...) installed by ``scripts/gpu-check.sh``. No vLLM and no Transformer Engine are needed: what
+needs them is reported as skipped, never replaced silently. ``--smoke`` runs every stage on the CPU with tiny
+shapes (what CI runs, so the script cannot rot); its figures mean nothing.
+
+Precision and layer spec: every stage sets ``policy.transformer_engine`` explicitly (never "auto") and records the
+spec it ran. fp32 runs use the local spec with TF32 off: Transformer Engine computes fp32 GEMMs in TF32 whatever
+torch's flags say and has no fp32 attention for packed (THD) inputs, so it would fail a 1e-4 tolerance for reasons
+of its own. TE is checked in bf16 only, against bf16 tolerances (``BF16_TOL``).
 
 Stages (each in a process of its own, so one failure leaves the others standing; each writes
-``<out>/<stage>.json`` with ``status`` "ok", "failed" (the traceback's tail) or "skipped"):
+``<out>/<stage>.json`` with ``status`` "ok", "failed" (the traceback's tail) or "skipped", its ``pass_rule``
+(and ``tolerance`` where figures are compared), ``timeout_s`` and ``timed_out``):
 
 - ``collectives``: every helper of ``nemo_disco.distributed`` with the tensors the trainer gives it (host
   tensors: reward counts, log-probs after ``.cpu()``, the signal flag, rollout records) on the default and
   Megatron's data-parallel groups (NCCL on a GPU, one rank), and the defect they prevent: a host tensor
   handed to NCCL directly raises.
-- ``logprob_parity``: ``MegatronPolicy`` (bf16, and fp32 with TF32 off) on a small Qwen2 (tied) and a small
-  Llama: per-token log-probs and entropy against transformers' fp32 forward; which layer spec and fusions ran.
-- ``grad_step``: fp32 (TF32 off): the exact gradient of a surrogate against transformers' autograd, one
-  optimizer update (mcore's optimizer on GPU) against a reference AdamW with the same decay groups and
+- ``logprob_parity``: ``MegatronPolicy`` on a small Qwen2 (tied) and a small Llama: per-token log-probs and
+  entropy against transformers' fp32 forward, in bf16 on the local spec, in bf16 on TE (when TE imports on
+  CUDA; else recorded as skipped) and in fp32 on the local spec; bf16 max 0.15 / mean 0.02, fp32 max 1e-4.
+- ``grad_step``: fp32, local spec, TF32 off: the exact gradient of a surrogate against transformers' autograd,
+  one optimizer update (mcore's optimizer on GPU) against a reference AdamW with the same decay groups and
   clipping, and a non-finite surrogate that must leave the weights untouched.
-- ``offload_checkpoint``: bf16, with and without the distributed optimizer: three offload / onload rounds
-  (allocated memory after freeing gradients + optimizer state, after the weights, after onload; log-probs
-  bitwise equal after each onload), a dist-checkpoint round trip, the forward-only reference policy's memory,
-  and a Transformer Engine <-> local checkpoint load when TE imports.
-- ``trainer``: ``algorithm.train_step`` with the Megatron policy (bf16) and the transformers generator on a
-  random model of DeepSeek-R1-Distill-Qwen-1.5B's shape (fixed-length rollouts): step time and phases,
-  completion tokens/s, training-pass MFU against ``--peak-tflops`` (790 bf16 on an H200, measured), decode
-  tokens/s against the HBM bound (``--hbm-tbps``, 4.3 on an H200), peak memory, mismatch metrics.
+- ``offload_checkpoint``: bf16 (TE where it imports), with and without the distributed optimizer: three offload
+  / onload rounds (allocated memory after freeing gradients + optimizer state, after the weights, after onload;
+  log-probs bitwise equal after each onload), a dist-checkpoint round trip, the forward-only reference policy's
+  memory, and a Transformer Engine <-> local checkpoint load when TE imports.
+- ``moe``: a small Qwen3-MoE (every layer sparse, top-2) built, ``logprobs``, one ``train_minibatch`` and
+  ``export_weights()``, in bf16 (TE where it imports) and in fp32 (local): every GPTModel parameter and buffer on
+  ``policy.device`` (mcore builds the router on the host), log-probs within the dtype's tolerance of
+  transformers' fp32 forward, the exported tensors on one device and finite, the update changes weights.
+- ``trainer``: ``algorithm.train_step`` with the Megatron policy (bf16, TE where it imports) and the
+  transformers generator on a random model of DeepSeek-R1-Distill-Qwen-1.5B's shape (fixed-length rollouts):
+  step time and phases, completion tokens/s, training-pass MFU against ``--peak-tflops`` (790 bf16 on an H200,
+  measured), decode tokens/s against the HBM bound (``--hbm-tbps``, 4.3 on an H200), peak memory, mismatch metrics.
 - ``trl``: TRL's GRPOTrainer on the same model, prompts, sizes and lengths (bf16, transformers generate), for
   the ratio that ``summary.json`` reports next to ``trainer``.
+
+``environment.json`` also records what torch.compile needs for Megatron's fused bias / SwiGLU / bias-dropout
+kernels (the Triton version or its import error, ``$CC`` and cc / gcc / clang); a GPU run without them warns in
+the summary. The first compile takes minutes: the model stages get 600 s each by default (``--stage-timeout``
+sets one limit for all).
 
 Run::
 
@@ -42,6 +58,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -56,7 +73,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as C  # noqa: E402
 
-STAGES = ("collectives", "logprob_parity", "grad_step", "offload_checkpoint", "trainer", "trl")
+STAGES = ("collectives", "logprob_parity", "grad_step", "offload_checkpoint", "moe", "trainer", "trl")
+# Default seconds per stage process. The model stages' first forward on a GPU compiles Megatron's fused
+# bias / SwiGLU / bias-dropout kernels (torch.compile: Triton and a host C compiler), which alone can take minutes.
+STAGE_TIMEOUT_S = {name: 600 for name in STAGES} | {"collectives": 300}
+# Log-prob / entropy tolerances against transformers' fp32 forward (absolute, nats, over the real response tokens).
+# bf16 holds 8 mantissa bits: ~0.4% per rounding, ~0.05 nats at the tails of a random model's distribution.
+BF16_TOL = {"max": 0.15, "mean": 0.02}
+# fp32 with TF32 off on the local layer spec (Transformer Engine runs fp32 GEMMs in TF32 and has no fp32
+# attention for packed sequences, so an fp32 stage never builds it).
+FP32_TOL = {"max": 1e-4}
+TOLERANCES = {"bfloat16": BF16_TOL, "float32": FP32_TOL}
 TEMPERATURE = 0.7
 ENT_COEF = 0.25  # weight of the entropy in the check surrogate
 TRAINER_SHAPE = {  # DeepSeek-R1-Distill-Qwen-1.5B's config.json (a Qwen2), random weights
@@ -105,8 +132,56 @@ def _allocated() -> int | None:
     return int(_torch().cuda.memory_allocated())
 
 
+def compile_toolchain() -> dict[str, Any]:
+    """What torch.compile needs for Megatron's fused kernels on a GPU: Triton and a host C compiler.
+
+    Triton compiles the kernels; its launcher stubs are C, built with ``$CC`` or the first of cc / gcc / clang.
+    """
+    try:
+        import triton
+
+        triton_info: dict[str, Any] = {"version": triton.__version__, "error": None}
+    except Exception as err:  # noqa: BLE001  (a broken install raises more than ImportError)
+        triton_info = {"version": None, "error": f"{type(err).__name__}: {err}"}
+    cc_env = os.environ.get("CC")
+    found = {name: shutil.which(name) for name in ("cc", "gcc", "clang")}
+    compiler = (shutil.which(cc_env) if cc_env else None) or next((p for p in found.values() if p), None)
+    return {"triton": triton_info, "CC": cc_env, "which": found, "c_compiler": compiler}
+
+
+def toolchain_warnings(env: dict[str, Any]) -> list[str]:
+    """One line per missing piece of torch.compile's toolchain, on a GPU run only (the CPU path compiles nothing)."""
+    if env.get("device", {}).get("name") == "cpu":
+        return []
+    tc = env.get("torch_compile", {})
+    out = []
+    if tc.get("triton", {}).get("error"):
+        out.append(f"triton does not import ({tc['triton']['error']}): Megatron's fused kernels will fail or fall back")
+    if not tc.get("c_compiler"):
+        out.append("no C compiler (CC, cc, gcc, clang): Triton cannot build its launchers, fused kernels will fail")
+    return out
+
+
+def te_for_bf16() -> tuple[bool, str]:
+    """Whether the bf16 stages build Transformer Engine (it imports on CUDA), and why: set explicitly, never "auto"."""
+    from nemo_disco.policy import megatron as mp
+
+    if not _cuda():
+        return False, "no CUDA"
+    err = mp.te_import_error()
+    return (err is None), ("transformer_engine imports" if err is None else err)
+
+
+def within(r: dict[str, Any], tol: dict[str, float]) -> bool:
+    """Log-prob and entropy differences (``_diff`` results) both inside ``tol`` (max, and mean where given)."""
+    return all(
+        r[k]["max"] <= tol["max"] and r[k]["mean"] <= tol.get("mean", math.inf)
+        for k in ("logprob_diff", "entropy_diff")
+    )
+
+
 def environment() -> dict[str, Any]:
-    """Device, library versions and the optional GPU modules (imported or the reason they are not)."""
+    """Device, library versions, the optional GPU modules (imported or the reason they are not), compile toolchain."""
     from importlib.metadata import PackageNotFoundError, version
 
     torch = _torch()
@@ -125,6 +200,7 @@ def environment() -> dict[str, Any]:
 
     info["transformer_engine_import_error"] = mp.te_import_error() if _cuda() else "not tried (no CUDA)"
     info["fusions_on_this_machine"] = mp.fusion_flags(_cuda(), use_te=False)
+    info["torch_compile"] = compile_toolchain()
     return info
 
 
@@ -137,6 +213,21 @@ def small_model(root: Path, architecture: str, tied: bool, smoke: bool) -> Path:
     tiny = TinyModelConfig(architecture=architecture, tie_word_embeddings=tied, max_position_embeddings=512, **shape)
     name = f"{architecture}_{'tied' if tied else 'untied'}"
     return build_model(tiny, root / name, seed=0)
+
+
+def moe_model(root: Path, smoke: bool) -> Path:
+    """A random Qwen3-MoE HF folder (all layers sparse, top-2, untied): tiny on CPU, head_dim 64 on GPU."""
+    from nemo_disco.config import TinyModelConfig
+    from nemo_disco.tiny import build_model
+
+    shape = (
+        {"head_dim": 32, "moe_intermediate_size": 32}
+        if smoke
+        else {"hidden_size": 512, "num_attention_heads": 8, "num_layers": 4, "head_dim": 64}
+        | {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 256}
+    )
+    tiny = TinyModelConfig(architecture="qwen3_moe", tie_word_embeddings=False, max_position_embeddings=512, **shape)
+    return build_model(tiny, root / "qwen3_moe", seed=0)
 
 
 def random_batch(smoke: bool, seed: int = 0) -> Any:
@@ -274,25 +365,34 @@ def stage_collectives(args: argparse.Namespace) -> dict[str, Any]:
         except Exception as err:  # noqa: BLE001
             res["raw_host_tensor_on_nccl"] = f"{type(err).__name__}: {str(err).splitlines()[0]}"
     res["checks"] = checks
+    res["pass_rule"] = "every check returns the expected value (results back on the caller's device)"
     res["status"] = "ok" if all(c["ok"] for c in checks.values()) else "failed"
     return res
 
 
-def _parity_one(model_dir: Path, dtype: str, batch: Any, ref: dict[str, Any], run_dir: Path) -> dict[str, Any]:
-    from nemo_disco.policy.megatron import MegatronPolicy
+def _parity_one(
+    model_dir: Path, dtype: str, use_te: bool, batch: Any, ref: dict[str, Any], run_dir: Path
+) -> dict[str, Any]:
+    from nemo_disco.policy.megatron import LAYER_SPECS, MegatronPolicy
 
-    policy = MegatronPolicy(run_config(model_dir, run_dir, **{"policy.dtype": dtype}), model_dir)
+    over = {"policy.dtype": dtype, "policy.transformer_engine": use_te}
+    policy = MegatronPolicy(run_config(model_dir, run_dir, **over), model_dir)
     t0 = time.perf_counter()
     lp, ent = policy.logprobs(batch, entropy=True)
     _sync()
     mask = batch.response_mask
     out = {
+        "dtype": dtype,
+        "transformer_engine": use_te,
         "layer_spec": policy.layer_spec,
         "packed": policy.packed,
         "logprob_diff": _diff(lp, ref["lp"], mask),
         "entropy_diff": _diff(ent, ref["ent"], mask),
         "forward_s": time.perf_counter() - t0,
+        "tolerance": TOLERANCES[dtype],
     }
+    out["spec_as_asked"] = policy.layer_spec == LAYER_SPECS[0 if use_te else 1]
+    out["within_tolerance"] = within(out, TOLERANCES[dtype])
     del policy
     return out
 
@@ -301,21 +401,28 @@ def stage_logprob_parity(args: argparse.Namespace) -> dict[str, Any]:
     _strict_fp32()
     root = Path(tempfile.mkdtemp(prefix="gpu_check_parity_"))
     batch = random_batch(args.smoke)
-    res: dict[str, Any] = {"tolerance": {"bfloat16": {"max": 0.15, "mean": 0.02}, "float32": {"max": 1e-4}}}
+    te, te_why = te_for_bf16()
+    # fp32 only on the local spec; TE only in bf16, where TF32 GEMMs and bf16 attention are inside the tolerance.
+    runs = [("bfloat16_local", "bfloat16", False), ("float32_local", "float32", False)]
+    if te:
+        runs.insert(1, ("bfloat16_transformer_engine", "bfloat16", True))
+    res: dict[str, Any] = {
+        "tolerance": TOLERANCES,
+        "pass_rule": "every run: log-prob and entropy |diff| vs transformers fp32 within its dtype's tolerance "
+        "(bfloat16 max and mean, float32 max; TF32 off) on the layer spec it asked for",
+        "transformer_engine_run": "ran" if te else f"skipped: {te_why}",
+    }
     ok = True
     for arch, tied in (("qwen2", True), ("llama", False)):
         model_dir = small_model(root, arch, tied, args.smoke)
         ref = hf_reference(model_dir, batch, grads=False)
         del ref["model"]
         per: dict[str, Any] = {}
-        for dtype in ("bfloat16", "float32"):
-            per[dtype] = r = _parity_one(model_dir, dtype, batch, ref, root / "run")
-            tol = res["tolerance"][dtype]
-            r["within_tolerance"] = all(
-                r[k]["max"] <= tol["max"] and r[k]["mean"] <= tol.get("mean", math.inf)
-                for k in ("logprob_diff", "entropy_diff")
-            )
-            ok = ok and r["within_tolerance"]
+        for key, dtype, use_te in runs:
+            per[key] = r = _parity_one(model_dir, dtype, use_te, batch, ref, root / "run")
+            ok = ok and r["within_tolerance"] and r["spec_as_asked"]
+        if not te:
+            per["bfloat16_transformer_engine"] = {"status": "skipped", "why": te_why}
         res[f"{arch}_{'tied' if tied else 'untied'}"] = per
     res["status"] = "ok" if ok else "failed"
     return res
@@ -331,6 +438,7 @@ def stage_grad_step(args: argparse.Namespace) -> dict[str, Any]:
     batch = random_batch(args.smoke)
     over = {
         "policy.dtype": "float32",
+        "policy.transformer_engine": False,  # fp32 parity: TE would compute its GEMMs in TF32
         "policy.lr": 1e-3,
         "policy.weight_decay": 0.1,
         "policy.adam_eps": 1e-3,  # a smooth first Adam step (tiny gradient components would amplify rounding)
@@ -366,6 +474,11 @@ def stage_grad_step(args: argparse.Namespace) -> dict[str, Any]:
     nan = policy.train_minibatch(batch, lambda rows, lp, ent: lp.sum() * float("nan"), entropy=True)
     unchanged = all(torch.equal(t.detach().cpu(), after[k]) for k, t in policy.export_weights())
     res = {
+        "layer_spec": policy.layer_spec,
+        "tolerance": {"grad_max_abs_diff": "1e-4 x max(grad_scale, 1)", "weights_max_abs_diff_after_step": 1e-5},
+        "pass_rule": "local spec, fp32 (TF32 off); gradient and one update vs transformers autograd + reference "
+        "AdamW within tolerance; the NaN surrogate skips its update and leaves every weight bitwise unchanged; "
+        "exactly 1 update counted",
         "optimizer": type(policy.optimizer).__name__,
         "distributed_optimizer": bool(policy.model.ddp_config.use_distributed_optimizer),
         "grad_max_abs_diff": grad_diff,
@@ -378,7 +491,99 @@ def stage_grad_step(args: argparse.Namespace) -> dict[str, Any]:
         "updates": policy.updates,
     }
     ok = grad_diff <= 1e-4 * max(scale, 1.0) and weight_diff <= 1e-5 and nan["skipped"] == 1.0 and unchanged
-    res["status"] = "ok" if ok and policy.updates == 1 else "failed"
+    res["status"] = "ok" if ok and policy.updates == 1 and policy.layer_spec == "local" else "failed"
+    return res
+
+
+def _off_device(policy: Any) -> list[str]:
+    """Parameters and buffers of the GPTModel that are not on ``policy.device`` (name: device)."""
+    named = [*policy.gpt.named_parameters(), *policy.gpt.named_buffers()]
+    return [f"{name}: {t.device}" for name, t in named if t.device != policy.device]
+
+
+def _moe_one(
+    model_dir: Path, dtype: str, use_te: bool, batch: Any, ref: dict[str, Any], run_dir: Path
+) -> dict[str, Any]:
+    """One Qwen3-MoE policy: device placement, log-prob parity, one update, the exported weights."""
+    torch = _torch()
+    from nemo_disco.policy.megatron import LAYER_SPECS, MegatronPolicy
+
+    over = {"policy.dtype": dtype, "policy.transformer_engine": use_te, "policy.lr": 1e-3}
+    policy = MegatronPolicy(run_config(model_dir, run_dir, **over), model_dir)
+    off_built = _off_device(policy)  # mcore builds the MoE router on the host
+    lp, ent = policy.logprobs(batch, entropy=True)
+    mask = batch.response_mask
+    r: dict[str, Any] = {
+        "dtype": dtype,
+        "transformer_engine": use_te,
+        "layer_spec": policy.layer_spec,
+        "spec_as_asked": policy.layer_spec == LAYER_SPECS[0 if use_te else 1],
+        "device": str(policy.device),
+        "off_device_after_build": off_built,
+        "logprob_diff": _diff(lp, ref["lp"], mask),
+        "entropy_diff": _diff(ent, ref["ent"], mask),
+        "tolerance": TOLERANCES[dtype],
+    }
+    r["within_tolerance"] = within(r, TOLERANCES[dtype])
+    before = {name: t.detach().cpu().clone() for name, t in policy.export_weights()}
+    step = policy.train_minibatch(batch, surrogate(coefficients(len(batch))), entropy=True)
+    r["off_device_after_step"] = _off_device(policy)
+    devices, nonfinite, changed = set(), [], []
+    for name, t in policy.export_weights():
+        devices.add(str(t.device))
+        if not bool(torch.isfinite(t).all()):
+            nonfinite.append(name)
+        if not torch.equal(t.detach().cpu(), before[name]):
+            changed.append(name)
+    r.update(
+        step={k: v for k, v in step.items() if k in ("grad_norm", "skipped") or k.startswith("router")},
+        exported_tensors=len(before),
+        exported_devices=sorted(devices),
+        exported_nonfinite=nonfinite,
+        exported_changed=len(changed),
+        # Frozen routers (policy.freeze_router, the default) keep their weights; everything else trains.
+        exported_unchanged=sorted(set(before) - set(changed)),
+    )
+    r["ok"] = (
+        r["spec_as_asked"]
+        and not off_built
+        and not r["off_device_after_step"]
+        and r["within_tolerance"]
+        and step["skipped"] == 0.0
+        and math.isfinite(step["grad_norm"])
+        and len(devices) == 1
+        and not nonfinite
+        and len(changed) > 0
+    )
+    del policy
+    return r
+
+
+def stage_moe(args: argparse.Namespace) -> dict[str, Any]:
+    _strict_fp32()
+    root = Path(tempfile.mkdtemp(prefix="gpu_check_moe_"))
+    model_dir = moe_model(root, args.smoke)
+    batch = random_batch(args.smoke)
+    ref = hf_reference(model_dir, batch, grads=False)
+    del ref["model"]
+    te, te_why = te_for_bf16()
+    res: dict[str, Any] = {
+        "tolerance": TOLERANCES,
+        "pass_rule": "each run: every GPTModel parameter and buffer on policy.device after build and after the "
+        "step; log-probs and entropy vs transformers fp32 within the dtype's tolerance; the update not skipped, "
+        "grad norm finite; export_weights() on one device, every tensor finite, at least one changed",
+        "transformer_engine": te,
+        "transformer_engine_why": te_why,
+    }
+    runs = {
+        "bfloat16_" + ("transformer_engine" if te else "local"): ("bfloat16", te),
+        "float32_local": ("float32", False),
+    }
+    ok = True
+    for key, (dtype, use_te) in runs.items():
+        res[key] = _moe_one(model_dir, dtype, use_te, batch, ref, root / "run")
+        ok = ok and res[key]["ok"]
+    res["status"] = "ok" if ok else "failed"
     return res
 
 
@@ -409,15 +614,29 @@ def stage_offload_checkpoint(args: argparse.Namespace) -> dict[str, Any]:
     model_dir = small_model(root, "qwen2", False, args.smoke)
     batch = random_batch(args.smoke)
     coef = coefficients(len(batch))
-    res: dict[str, Any] = {}
+    te, te_why = te_for_bf16()  # bf16: the production spec (TE where it imports), set explicitly
+    res: dict[str, Any] = {
+        "transformer_engine": te,
+        "transformer_engine_why": te_why,
+        "pass_rule": "per optimizer layout: on a GPU each offload phase frees memory; log-probs bitwise equal after "
+        "every onload and after a checkpoint round trip; the restored policy counts 1 update and its next update's "
+        "grad norm matches the original's (rel 1e-3). te_cross_spec is reported, not required",
+    }
     ok = True
     for dist_opt in (True, False):
-        over = {"policy.dtype": "bfloat16", "policy.use_distributed_optimizer": dist_opt}
+        over = {
+            "policy.dtype": "bfloat16",
+            "policy.transformer_engine": te,
+            "policy.use_distributed_optimizer": dist_opt,
+        }
         cfg = run_config(model_dir, root / "run", **over)
         before = _allocated()
         policy = MegatronPolicy(cfg, model_dir)
         policy.train_minibatch(batch, surrogate(coef), entropy=True)  # optimizer state exists from here on
-        r: dict[str, Any] = {"policy_bytes": None if before is None else _allocated() - before}
+        r: dict[str, Any] = {
+            "layer_spec": policy.layer_spec,
+            "policy_bytes": None if before is None else _allocated() - before,
+        }
         r.update(_offload_rounds(policy, batch))
         if _cuda():
             first = r["rounds"][0]
@@ -449,7 +668,9 @@ def stage_offload_checkpoint(args: argparse.Namespace) -> dict[str, Any]:
             torch.cuda.empty_cache()
     before = _allocated()
     ref_policy = MegatronPolicy(
-        run_config(model_dir, root / "run", **{"policy.dtype": "bfloat16"}), model_dir, trainable=False
+        run_config(model_dir, root / "run", **{"policy.dtype": "bfloat16", "policy.transformer_engine": te}),
+        model_dir,
+        trainable=False,
     )
     res["reference_policy"] = {
         "bytes": None if before is None else _allocated() - before,
@@ -465,12 +686,15 @@ def _te_cross_spec(model_dir: Path, root: Path, batch: Any) -> dict[str, Any]:
     """A checkpoint written by a Transformer Engine model loads into a local-spec one and back (TE only)."""
     from nemo_disco.policy import megatron as mp
 
-    if not _cuda() or mp.te_import_error() is not None:
-        return {"status": "skipped", "why": mp.te_import_error() or "no CUDA"}
-    te = mp.MegatronPolicy(run_config(model_dir, root / "run", **{"policy.transformer_engine": True}), model_dir)
+    te, why = te_for_bf16()
+    if not te:
+        return {"status": "skipped", "why": why}
+    te_over = {"policy.dtype": "bfloat16", "policy.transformer_engine": True}
+    te = mp.MegatronPolicy(run_config(model_dir, root / "run", **te_over), model_dir)
     te.save(root / "te_ckpt")
     lp_te, _ = te.logprobs(batch)
-    local = mp.MegatronPolicy(run_config(model_dir, root / "run", **{"policy.transformer_engine": False}), model_dir)
+    local_over = {"policy.dtype": "bfloat16", "policy.transformer_engine": False}
+    local = mp.MegatronPolicy(run_config(model_dir, root / "run", **local_over), model_dir)
     local.load(root / "te_ckpt")
     lp_local, _ = local.logprobs(batch)
     local.save(root / "local_ckpt")
@@ -539,6 +763,8 @@ def stage_trainer(args: argparse.Namespace) -> dict[str, Any]:
     model_dir = trainer_model(root, args.smoke)
     import bench_e2e_trl as E
 
+    # bf16 on a GPU with TE where it imports (the production spec); the CPU smoke run is fp32 on the local spec.
+    te = te_for_bf16()[0] and not args.smoke
     over = E.nd_overrides(model_dir, "disco", sizes["tokens"], 1 + sizes["steps"])
     over += [
         f"algorithm.prompts_per_step={sizes['prompts']}",
@@ -547,6 +773,7 @@ def stage_trainer(args: argparse.Namespace) -> dict[str, Any]:
         f"generation.hf_batch_size={sizes['prompts'] * sizes['rollouts']}",
         "policy.backend=megatron",
         "policy.dtype=" + ("float32" if args.smoke else "bfloat16"),
+        f"policy.transformer_engine={str(te).lower()}",
         "policy.microbatch_tokens=16384",
         "policy.logprob_chunk_size=1024",
         "cluster.gpus_per_node=1",
@@ -580,6 +807,8 @@ def stage_trainer(args: argparse.Namespace) -> dict[str, Any]:
     bound_s = sizes["tokens"] * (weight_bytes + rollouts * ctx * kv_per_token) / (args.hbm_tbps * 1e12)
     metrics = out["metrics"][-1]
     res = {
+        "layer_spec": "transformer_engine" if te else "local",
+        "pass_rule": "every metric of every step finite (the figures are measurements, not pass criteria)",
         "sizes": sizes,
         "model_matmul_params": n_matmul,
         "step_s": step_s,
@@ -618,6 +847,7 @@ def stage_trl(args: argparse.Namespace) -> dict[str, Any]:
         bf16=_cuda(),
     )
     out["completion_tokens_per_s"] = out["completion_tokens_per_step"] / out["s_per_step"]
+    out["pass_rule"] = "runs to the end (skipped when trl does not import)"
     out["status"] = "ok"
     return out
 
@@ -638,9 +868,13 @@ def run_stage(name: str, args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
-def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Per-stage status and the headline figures, with the trainer / TRL ratio."""
-    out: dict[str, Any] = {"status": {k: v.get("status") for k, v in results.items()}}
+def summarize(results: dict[str, dict[str, Any]], env: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Per-stage status, the stages that hit their timeout, warnings, and the trainer / TRL ratio."""
+    out: dict[str, Any] = {
+        "status": {k: v.get("status") for k, v in results.items()},
+        "timed_out": [k for k, v in results.items() if v.get("timed_out")],
+        "warnings": toolchain_warnings(env or {}),
+    }
     tr, trl = results.get("trainer", {}), results.get("trl", {})
     if tr.get("status") == "ok" and trl.get("status") == "ok":
         out["completion_tokens_per_s_vs_trl"] = tr["completion_tokens_per_s"] / trl["completion_tokens_per_s"]
@@ -653,7 +887,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or C.ROOT / "runs" / "gpu-check"))
     ap.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
     ap.add_argument("--stage", choices=STAGES, help=argparse.SUPPRESS)
-    ap.add_argument("--stage-timeout", type=int, default=300, help="seconds per stage process")
+    ap.add_argument(
+        "--stage-timeout",
+        type=int,
+        default=None,
+        help="seconds per stage process (default: 300 for collectives, 600 for the model stages, whose first "
+        "forward on a GPU compiles Megatron's fused kernels)",
+    )
     ap.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 matmul peak for MFU (H200: 790)")
     ap.add_argument("--hbm-tbps", type=float, default=4.3, help="HBM bandwidth for the decode bound (H200: 4.3)")
     args = ap.parse_args(argv)
@@ -665,28 +905,42 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(stages) - set(STAGES))
     if unknown:
         ap.error(f"unknown stage(s) {unknown}; choose from {list(STAGES)}")
-    (args.out / "environment.json").write_text(json.dumps(environment(), indent=1, default=str))
+    env = environment()
+    (args.out / "environment.json").write_text(json.dumps(env, indent=1, default=str))
+    for warning in toolchain_warnings(env):
+        print(f"gpu-check WARNING: {warning}", flush=True)
     results: dict[str, dict[str, Any]] = {}
     for name in stages:
         cmd = [sys.executable, __file__, "--stage", name, "--out", str(args.out)]
         cmd += ["--peak-tflops", str(args.peak_tflops), "--hbm-tbps", str(args.hbm_tbps)]
         cmd += ["--smoke"] if args.smoke else []
+        timeout = args.stage_timeout or STAGE_TIMEOUT_S[name]
+        path = args.out / f"{name}.json"
+        path.unlink(missing_ok=True)  # a result left by an earlier run in this folder must not stand for this one
         t0 = time.perf_counter()
+        timed_out = False
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.stage_timeout)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
             log = proc.stdout + proc.stderr
         except subprocess.TimeoutExpired as err:
-            log = f"timed out after {args.stage_timeout} s\n{err.stdout or ''}{err.stderr or ''}"
-        (args.out / f"{name}.log").write_text(log if isinstance(log, str) else log.decode(errors="replace"))
-        path = args.out / f"{name}.json"
+            timed_out = True
+            out, errs = (
+                x.decode(errors="replace") if isinstance(x, bytes) else x or "" for x in (err.stdout, err.stderr)
+            )
+            log = f"timed out after {timeout} s\n{out}{errs}"
+        (args.out / f"{name}.log").write_text(log)
         if path.is_file():
             results[name] = json.loads(path.read_text())
         else:
-            results[name] = {"stage": name, "status": "failed", "error": f"no result; see {name}.log"}
-            path.write_text(json.dumps(results[name], indent=1))
+            why = f"timed out after {timeout} s" if timed_out else "no result"
+            results[name] = {"stage": name, "status": "failed", "error": f"{why}; see {name}.log"}
+        results[name].update(timeout_s=timeout, timed_out=timed_out)
+        path.write_text(json.dumps(results[name], indent=1, default=str))
         print(f"gpu-check {name:20s} {results[name]['status']:8s} {time.perf_counter() - t0:7.1f} s", flush=True)
-    summary = summarize(results)
+    summary = summarize(results, env)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    for warning in summary["warnings"]:
+        print(f"gpu-check WARNING: {warning}", flush=True)
     print("GPU_CHECK_SUMMARY " + json.dumps(summary, default=str), flush=True)
     return 0 if all(v in ("ok", "skipped") for v in summary["status"].values()) else 1
 

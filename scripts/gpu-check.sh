@@ -6,23 +6,48 @@
 #   bash scripts/gpu-check.sh --install-only      # install the carried wheels, run nothing
 #
 # On a GPU machine without network: the wheels prepared by scripts/gpu-check-wheels.sh are installed first
-# (--no-index --no-deps: nothing is downloaded, nothing else is resolved) from every folder named in
-# $NEMO_DISCO_WHEELS (colon-separated; default: every wheels/gpu-check* folder that exists). torch and
-# transformers must be there. A stage whose module is missing fails alone and says which.
+# (--no-index --no-deps: nothing is downloaded, nothing else is resolved): wheels/gpu-check-common plus the set of
+# the running $PYTHON's version, wheels/gpu-check-py3XX (and its -datasets-* folders when present). When wheel
+# sets are present but none is for this Python, it stops with one line naming the version and the sets present.
+# NEMO_DISCO_WHEELS (colon-separated folders) replaces that choice. torch and transformers must be there already.
+# A stage whose module is missing fails alone and says which.
+# --smoke runs every stage on the CPU with tiny shapes (CI runs it; its figures mean nothing) in $PYTHON's own
+# environment: it installs no wheels unless NEMO_DISCO_WHEELS names them (run --install-only first on a bare one).
 # Results: one JSON per stage, environment.json and summary.json in --out (default $OUT, else runs/gpu-check).
-# --smoke runs every stage on the CPU with tiny shapes (CI runs it); its figures mean nothing.
-# Exit code: 0 when every stage is ok or skipped, 1 otherwise.
+# Exit code: 0 when every stage is ok or skipped, 1 otherwise, 2 when no wheel set matches this Python.
 #
 # Environment: PYTHON (default python3), NEMO_DISCO_WHEELS, OUT.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
+SMOKE=0
+for arg in "$@"; do
+  [ "$arg" = --smoke ] && SMOKE=1
+done
+VERSION=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+TAG=py${VERSION/./}
+FOLDERS=()
 if [ -n "${NEMO_DISCO_WHEELS:-}" ]; then
   IFS=: read -r -a FOLDERS <<<"$NEMO_DISCO_WHEELS"
+  echo "gpu-check: Python $VERSION ($PYTHON): wheel folders from NEMO_DISCO_WHEELS: ${FOLDERS[*]}"
+elif [ "$SMOKE" = 1 ]; then
+  echo "gpu-check: --smoke: no wheels installed (Python $VERSION, $PYTHON's own environment)"
 else
-  FOLDERS=(wheels/gpu-check*)
+  shopt -s nullglob
+  PRESENT=(wheels/gpu-check*/)
+  shopt -u nullglob
+  if [ -d "wheels/gpu-check-$TAG" ]; then
+    FOLDERS=(wheels/gpu-check-common "wheels/gpu-check-$TAG" "wheels/gpu-check-$TAG"-datasets-*)
+    echo "gpu-check: Python $VERSION ($PYTHON): wheel set wheels/gpu-check-$TAG + wheels/gpu-check-common"
+  elif [ "${#PRESENT[@]}" -gt 0 ]; then
+    echo "gpu-check: no wheel set for Python $VERSION ($PYTHON): wheels/gpu-check-$TAG is missing; present:" \
+      "${PRESENT[*]%/} (make it with PY_VERSIONS=$VERSION bash scripts/gpu-check-wheels.sh, or set NEMO_DISCO_WHEELS)" >&2
+    exit 2
+  else
+    echo "gpu-check: Python $VERSION ($PYTHON): no wheels/gpu-check-* folder, nothing installed"
+  fi
 fi
-for folder in "${FOLDERS[@]}"; do
+for folder in ${FOLDERS[@]+"${FOLDERS[@]}"}; do
   if [ -d "$folder" ] && compgen -G "$folder/*.whl" >/dev/null; then
     echo "gpu-check: installing the wheels of $folder (no index, no dependencies)"
     "$PYTHON" -m pip install -q --disable-pip-version-check --no-index --no-deps "$folder"/*.whl
