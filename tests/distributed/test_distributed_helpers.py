@@ -81,6 +81,9 @@ def _worker(out_dir: str) -> None:
     res["subgroup_rows"] = distributed.all_gather_rows(torch.ones(1, 1), groups[rank]).tolist()
     distributed.barrier()
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(res))
+    # Torn down before exit: gloo's threads left to the interpreter's exit can abort the process ("terminate called
+    # without an active exception"), seen under load.
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
