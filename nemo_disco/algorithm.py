@@ -56,7 +56,6 @@ from nemo_disco.generation.base import EngineLayout
 from nemo_disco.metrics import MetricsLogger, Timer, read_jsonl
 from nemo_disco.policy import build_policy
 from nemo_disco.policy.base import Policy
-from nemo_disco.rewards import GraderPool
 
 log = logging.getLogger(__name__)
 
@@ -246,7 +245,7 @@ def setup(cfg: RunConfig, role: tuple[distributed.DistEnv, distributed.Link] | N
             prompt_ids=prompt_ids,
             sampler=sampler,
             generator=generator,
-            grader=GraderPool(cfg.reward.grader, timeout_s=cfg.reward.timeout_s, workers=cfg.reward.workers),
+            grader=rollouts.build_grader(cfg),
             engines=EngineLayout.of(env.rank, env.world_size, cfg.generation.tensor_parallel_size),
         )
         source = rollouts.LocalRollouts(ro, policy, ref_policy, rollouts.val_problems(cfg, tokenizer))

@@ -106,6 +106,10 @@ def _check_sources(cfg: config_lib.RunConfig) -> None:
 
     if cfg.policy.model_path is not None:
         check_model(cfg.policy.model_path)
+    if cfg.reward.function is not None:
+        from nemo_disco.rewards import load_reward_function
+
+        load_reward_function(cfg.reward.function)
     kwargs = {"split": cfg.data.split, "synthetic_size": cfg.data.synthetic_size, "seed": cfg.data.seed}
     load_problems(cfg.data.train, on_bad_row=cfg.data.on_bad_row, **kwargs)
     if cfg.data.val:

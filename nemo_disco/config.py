@@ -173,6 +173,9 @@ class RewardConfig(_Section):
     workers: int = Field(2, ge=1)
     # Rollouts with reward above this are positives (so {0,1} and {-1,+1} rewards both work).
     positive_threshold: float = 0.5
+    # Any verifier as the reward: "package.module:function", called in the grading workers (same timeout) as
+    # fn(response, answer, problem=..., **row_fields) -> float instead of the grader; null = the grader.
+    function: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
 class LossConfig(_Section):

@@ -30,7 +30,7 @@ import math
 import os
 import random
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -68,12 +68,16 @@ class Problem:
         answer: the gold answer, or several equally valid ones.
         index: row of the source (0-based; rows skipped as bad keep their numbers out of the sequence).
         source: file path, dataset name or synthetic task name it came from.
+        fields: the row's other columns that JSON can carry (not ``problem``, ``answer``, ``prompt``,
+            ``response``), for ``reward.function``.
     """
 
     problem: str
     answer: str | list[str]
     index: int
     source: str
+    #: The row's other JSON-serialisable columns (test cases, a task type ...), passed to a user reward function.
+    fields: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -140,11 +144,28 @@ def _parse_row(row: Any, index: int, source: str) -> Problem:
         answers = [_canonical_answer(a) for a in answer]
         if not answers or not all(answers):
             raise TypeError("answer list is empty or holds an empty answer")
-        return Problem(problem.strip(), answers, index, source)
+        return Problem(problem.strip(), answers, index, source, _extra_fields(row))
     text = _canonical_answer(answer)
     if not text:
         raise TypeError("answer is empty")
-    return Problem(problem.strip(), text, index, source)
+    return Problem(problem.strip(), text, index, source, _extra_fields(row))
+
+
+#: Row keys that never reach a reward function as keyword arguments (it receives them positionally or not at all).
+_RESERVED = ("problem", "answer", "prompt", "response")
+
+
+def _extra_fields(row: dict) -> dict[str, Any]:
+    out = {}
+    for key, value in row.items():
+        if key in _RESERVED or not isinstance(key, str) or not key.isidentifier():
+            continue
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
+            continue
+        out[key] = value
+    return out
 
 
 def _collect(rows: Sequence[Any], source: str, on_bad_row: str) -> tuple[list[Problem], int]:

@@ -34,11 +34,20 @@ out of memory, a crash in C code) has its item graded again on a fresh worker, o
 depend on a worker's death; an item whose second worker dies too scores 0 and counts in ``reward/errors``.
 ``reward/restarts`` counts replaced workers. math-verify's own ``signal.alarm`` timeouts are disabled (they
 need the main thread and integer seconds).
+
+Any verifier as a reward (``reward.function: "package.module:function"``): the pool's workers call
+``fn(response, answer, problem=..., **row_fields) -> float`` instead of a math grader, with the same timeout,
+kill-and-replace and death handling. ``row_fields`` are the data row's other columns (``data.Problem.fields``).
+An exception scores 0 and counts in ``reward/errors``; the first one a pool sees is logged with its traceback.
+:func:`load_reward_function` resolves the path in the trainer at start-up (one-line error), the workers again
+(the current folder is on their path too). The function runs model output through whatever it does: a code
+reward must execute it in a sandbox of its own (docs/rewards.md).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import logging
 import os
@@ -51,7 +60,7 @@ import tempfile
 import time
 import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -455,6 +464,46 @@ def score_response(
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# User reward functions
+
+_FUNCTION_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+def load_reward_function(path: str) -> Callable[..., Any]:
+    """The callable named ``"package.module:function"`` (the current folder is importable too).
+
+    Raises:
+        ValueError: one line naming ``reward.function``: a malformed path, a module that does not import (its
+            error), a missing attribute or an attribute that is not callable.
+    """
+    if not _FUNCTION_PATH.match(path):
+        raise ValueError(f"reward.function={path!r}: expected 'package.module:function'")
+    module_name, attr = path.split(":")
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as err:  # noqa: BLE001  (any import-time error of user code)
+        raise ValueError(
+            f"reward.function={path!r}: module {module_name!r} does not import ({type(err).__name__}: {err}); is "
+            "its folder the current one or on PYTHONPATH?"
+        ) from None
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise ValueError(f"reward.function={path!r}: module {module_name!r} has no attribute {attr!r}")
+    if not callable(fn):
+        raise ValueError(f"reward.function={path!r}: {attr!r} is a {type(fn).__name__}, not a callable")
+    return fn
+
+
+def _call_reward(fn: Callable[..., Any], response: str, truth: Any, problem: str, fields: dict[str, Any]) -> float:
+    value = fn(response, truth, problem=problem, **fields)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"the reward function returned a {type(value).__name__}, expected a float")
+    return float(value)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # Worker process
 
 
@@ -487,8 +536,10 @@ def _worker_main() -> None:
 
         resource.setrlimit(resource.RLIMIT_AS, (limit_mb << 20, limit_mb << 20))
     logging.basicConfig(level=logging.ERROR)
-    # Imports and the parsers' first-call set-up are paid before "ready", not out of the first item's budget.
-    _grade("so \\boxed{\\frac{1}{2}}", "0.5", cfg["grader"], False)
+    user = load_reward_function(cfg["function"]) if cfg.get("function") else None
+    if user is None:
+        # Imports and the parsers' first-call set-up are paid before "ready", not out of the first item's budget.
+        _grade("so \\boxed{\\frac{1}{2}}", "0.5", cfg["grader"], False)
     signal.signal(signal.SIGALRM, _on_alarm)
     out.write('{"ready": true}\n')
     for line in sys.stdin:
@@ -497,7 +548,11 @@ def _worker_main() -> None:
         try:
             signal.setitimer(signal.ITIMER_REAL, cfg["soft_timeout_s"])  # 0 = no soft limit
             try:
-                result["score"] = _grade(req["response"], req["truth"], cfg["grader"], cfg["require_think"])
+                if user is None:
+                    result["score"] = _grade(req["response"], req["truth"], cfg["grader"], cfg["require_think"])
+                else:
+                    args = (req["response"], req["truth"], req.get("problem", ""), req.get("fields") or {})
+                    result["score"] = _call_reward(user, *args)
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
         except _SoftTimeout:
@@ -505,6 +560,10 @@ def _worker_main() -> None:
         except Exception as err:  # any grading failure is an error that scores 0, the worker carries on
             # Only the type: str() of a sympy object in the message can itself run for minutes.
             result["error"] = type(err).__name__
+            if user is not None:  # user code: its traceback is what its author needs (logged once by the pool)
+                import traceback
+
+                result["traceback"] = traceback.format_exc(limit=-8)[-4000:]
         out.write(json.dumps(result) + "\n")
 
 
@@ -614,11 +673,12 @@ class GraderPool:
         memory_limit_mb: int | None = 4096,
         startup_timeout_s: float = 120.0,
         soft_timeout: bool = True,
+        function: str | None = None,
     ) -> None:
         """Start the workers.
 
         Args:
-            grader: "math_verify" or "deepscaler".
+            grader: "math_verify" or "deepscaler" (unused with ``function``).
             timeout_s: time budget of one item; the worker stops itself at ``timeout_s``.
             workers: number of worker processes.
             require_think: deepscaler only: a response without ``</think>`` scores 0 (the official rule).
@@ -627,11 +687,14 @@ class GraderPool:
             startup_timeout_s: a worker that is not ready after this long is a fatal error.
             soft_timeout: let the worker interrupt itself at ``timeout_s`` (SIGALRM). With False only the
                 parent's kill at ``timeout_s + kill_grace_s`` limits an item (each costs a worker restart).
+            function: ``reward.function`` ("package.module:function"): the workers call it instead of a grader.
 
         Raises:
-            ValueError: unknown grader or non-positive sizes.
+            ValueError: unknown grader, non-positive sizes, or a ``function`` that does not load (one line).
         """
         _check_grader(grader)
+        if function is not None:
+            load_reward_function(function)  # fail here, in one line, not in every worker's start-up
         if timeout_s <= 0 or workers < 1 or kill_grace_s < 0:
             raise ValueError(
                 f"GraderPool needs timeout_s > 0, workers >= 1, kill_grace_s >= 0 (got {timeout_s}, "
@@ -648,8 +711,13 @@ class GraderPool:
                 "soft_timeout_s": self.timeout_s if soft_timeout else 0.0,
                 "require_think": require_think,
                 "memory_limit_mb": memory_limit_mb,
+                "function": function,
             }
         )
+        if function is not None:  # the workers import it from the trainer's current folder too
+            env["PYTHONPATH"] = os.pathsep.join((env["PYTHONPATH"], os.getcwd()))
+        self.function = function
+        self._error_logged = False
         self._env = env
         self._workers: list[_Worker] = [_Worker(env) for _ in range(workers)]
         self._finalizer = weakref.finalize(self, _shutdown, self._workers)
@@ -694,9 +762,16 @@ class GraderPool:
         return 0
 
     def score(
-        self, responses: Sequence[str], ground_truths: Sequence[str | list[str]]
+        self,
+        responses: Sequence[str],
+        ground_truths: Sequence[str | list[str]],
+        problems: Sequence[str] | None = None,
+        fields: Sequence[dict[str, Any]] | None = None,
     ) -> tuple[list[float], dict[str, float]]:
         """Grade ``responses[i]`` against ``ground_truths[i]``; order is preserved.
+
+        ``problems`` and ``fields`` (the question text and the row's other columns of each item) reach a
+        ``reward.function``; the math graders ignore them.
 
         Returns:
             scores (1.0 / 0.0 each) and metrics ``reward/timeouts``, ``reward/errors``, ``reward/restarts``.
@@ -723,7 +798,11 @@ class GraderPool:
                 for w in self._workers:
                     if w.ready and w.item is None and pending:
                         i = pending.popleft()
-                        payload = json.dumps({"response": responses[i], "truth": ground_truths[i]}) + "\n"
+                        request: dict[str, Any] = {"response": responses[i], "truth": ground_truths[i]}
+                        if self.function is not None:
+                            request["problem"] = problems[i] if problems is not None else ""
+                            request["fields"] = fields[i] if fields is not None else {}
+                        payload = json.dumps(request) + "\n"
                         w.item, w.deadline = i, time.monotonic() + self.timeout_s + self.kill_grace_s
                         if not w.send(payload.encode()):  # the worker is gone
                             errors += self._lost(w, i, pending, retried, scores)
@@ -755,6 +834,14 @@ class GraderPool:
                         scores[i] = float(msg["score"])
                         timeouts += bool(msg.get("timeout"))
                         errors += "error" in msg
+                        if "traceback" in msg and not self._error_logged:
+                            self._error_logged = True
+                            logger.warning(
+                                "reward.function %s raised on an item (scored 0, counted in reward/errors; logged "
+                                "once):\n%s",
+                                self.function,
+                                msg["traceback"],
+                            )
                         done += 1
                     if eof:
                         if not w.ready:

@@ -153,6 +153,12 @@ def start_generator(cfg: RunConfig, model_dir: Path) -> Generator:
     return generator
 
 
+def build_grader(cfg: RunConfig) -> GraderPool:
+    """The run's reward: ``reward.grader`` or ``reward.function``, in a pool of killable workers."""
+    r = cfg.reward
+    return GraderPool(r.grader, timeout_s=r.timeout_s, workers=r.workers, function=r.function)
+
+
 def sampling_params(cfg: RunConfig, tokenizer: Any, seed: int, max_tokens: int | None = None) -> SamplingParams:
     """The run's sampling settings; the stop set is the tokenizer's EOS and ``<|im_end|>`` where it exists."""
     g = cfg.generation
@@ -229,8 +235,10 @@ class Rollouter:
             local, rollouts = [], []
         texts = [self.tokenizer.decode(r.token_ids, skip_special_tokens=True) for rs in rollouts for r in rs]
         truths = [self.problems[q].answer for q in local for _ in range(g)]
+        questions = [self.problems[q].problem for q in local for _ in range(g)]
+        fields = [self.problems[q].fields for q in local for _ in range(g)]
         with timer("grade"):
-            scores, grade_metrics = self.grader.score(texts, truths) if texts else ([], {})
+            scores, grade_metrics = self.grader.score(texts, truths, questions, fields) if texts else ([], {})
         records = []
         for k, (q, rs) in enumerate(zip(local, rollouts, strict=True)):
             records.append(
@@ -266,8 +274,12 @@ class Rollouter:
             share, rollouts = [], []
         texts = [self.tokenizer.decode(r.token_ids, skip_special_tokens=True) for rs in rollouts for r in rs]
         truths = [problems[i].answer for i in share for _ in range(samples)]
-        scores, _ = self.grader.score(texts, truths) if texts else ([], {})
-        local = [sum(scores[k * samples : (k + 1) * samples]) / samples for k in range(len(share))]
+        questions = [problems[i].problem for i in share for _ in range(samples)]
+        fields = [problems[i].fields for i in share for _ in range(samples)]
+        scores, _ = self.grader.score(texts, truths, questions, fields) if texts else ([], {})
+        # A sample counts as correct when its reward is a positive's (the graders' 1.0; a user reward's share).
+        correct = [float(s > self.cfg.reward.positive_threshold) for s in scores]
+        local = [sum(correct[k * samples : (k + 1) * samples]) / samples for k in range(len(share))]
         return self.gather_engines(local)
 
     def close(self) -> None:
@@ -692,7 +704,7 @@ def serve(cfg: RunConfig, env: distributed.DistEnv, link: distributed.Link, wd: 
         prompt_ids=prompt_ids,
         sampler=sampler,
         generator=build_generator(cfg, model_dir),
-        grader=GraderPool(cfg.reward.grader, timeout_s=cfg.reward.timeout_s, workers=cfg.reward.workers),
+        grader=build_grader(cfg),
         engines=EngineLayout.of(env.rank, env.world_size, cfg.generation.tensor_parallel_size),
     )
     sender = _Sender(link if env.rank == 0 else None)

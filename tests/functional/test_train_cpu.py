@@ -247,3 +247,43 @@ def test_warm_up_to_a_target_then_the_summary_with_standard_errors(tmp_path):
     assert demo["problems"] == 32 and demo["samples"] == 4 and demo["warmup"] == warmup
     assert f"before RL (step 0): {vals[0]['pass@1']:.3f} +- {vals[0]['pass@1_se']:.3f}" in res.stdout
     assert "held-out pass@1 on 32 problems x 4 samples" in res.stdout
+
+
+def test_training_with_a_user_reward_function_from_the_current_folder(tmp_path):
+    # Any verifier as the reward: a function in the user's folder, given the row's extra columns; a bad path
+    # stops the run at start-up in one line (exit 2).
+    from nemo_disco.data import synthetic_arithmetic
+
+    rows = [{"problem": p.problem, "answer": p.answer, "kind": "arithmetic"} for p in synthetic_arithmetic(200, 0)]
+    (tmp_path / "rows.json").write_text(json.dumps(rows))
+    (tmp_path / "my_rewards.py").write_text(
+        "import re\n\n\n"
+        "def exact(response, answer, *, problem, kind):\n"
+        "    assert kind == 'arithmetic' and '=' not in problem\n"
+        "    found = re.findall(r'\\\\boxed\\{([^{}]*)\\}', response)\n"
+        "    with open('calls.log', 'a') as f:\n"
+        "        f.write(repr(response) + '\\n')\n"
+        "    return 1.0 if found and found[-1].strip() == answer else 0.25 if found else 0.0  # answer, format\n"
+    )
+    cmd = [sys.executable, "-m", "nemo_disco.cli", "train", "--config", str(RECIPE), "logging.run_dir=run"]
+    cmd += FAST_TINY + ["algorithm.steps=3", "data.train=rows.json", "reward.function=my_rewards:exact"]
+    env = {**_env(), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = _metrics(tmp_path / "run")
+    assert len(records) == 3
+    assert all(r["reward/errors"] == 0 and r["reward/timeouts"] == 0 for r in records)
+    assert all(math.isfinite(v) for r in records for v in r.values() if isinstance(v, float))
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    assert len(calls) == 3 * 8 * 4  # steps x prompts x rollouts, in the grading workers
+    assert min(r["train/reward_mean"] for r in records) > 0  # the warmed-up model boxes its answers
+    bad = subprocess.run(
+        cmd[:-1] + ["reward.function=my_rewards:nope", "logging.run_dir=run2"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=120,
+    )
+    assert bad.returncode == 2
+    assert "reward.function='my_rewards:nope': module 'my_rewards' has no attribute 'nope'" in bad.stderr

@@ -387,3 +387,18 @@ def test_chat_template_kwargs_reach_the_template(tmp_path):
     thinking, _, _ = encode_prompts(tok, ["1+1"], template="{problem}")
     plain, _, _ = encode_prompts(tok, ["1+1"], template="{problem}", chat_template_kwargs={"enable_thinking": False})
     assert tok.decode(thinking[0]) == "1+1T" and tok.decode(plain[0]) == "1+1#"
+
+
+def test_a_rows_other_columns_travel_as_fields_for_a_reward_function(tmp_path):
+    import json
+
+    path = tmp_path / "rows.json"
+    rows = [
+        {"problem": "2+2", "answer": "4", "tests": ["assert f() == 4"], "level": 3, "bad key": 1},
+        {"prompt": [{"role": "user", "content": "1+1"}], "reward_model": {"ground_truth": "2"}, "task": "add"},
+    ]
+    path.write_text(json.dumps(rows))
+    problems, _ = load_problems(path)
+    assert problems[0].fields == {"tests": ["assert f() == 4"], "level": 3}  # not problem / answer / "bad key"
+    assert problems[1].fields == {"reward_model": {"ground_truth": "2"}, "task": "add"}
+    assert problems[0] == type(problems[0])("2+2", "4", 0, str(path))  # fields take no part in equality

@@ -339,3 +339,88 @@ def test_workers_survive_the_job_signals_meant_for_the_trainer():
         scores, metrics = pool.score(["\\boxed{2}", "\\boxed{3}"], ["2", "4"])
     assert scores == [1.0, 0.0]
     assert metrics["reward/errors"] == 0 and metrics["reward/restarts"] == 0
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# reward.function: any verifier as the reward
+
+USER_REWARDS = '''
+import time
+
+
+def exact(response, answer, *, problem, **fields):
+    """1 when the response is the answer; the row's field `scale` multiplies it (shows row fields arrive)."""
+    return float(response.strip() == answer) * fields.get("scale", 1.0)
+
+
+def picky(response, answer, *, problem, **fields):
+    if response == "boom":
+        raise KeyError("no such thing")
+    if response == "slow":
+        time.sleep(30)
+    if response == "text":
+        return "yes"
+    return 0.25
+
+
+NOT_CALLABLE = 3
+'''
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    """A reward module in the current folder (where users put theirs)."""
+    (tmp_path / "user_rewards.py").write_text(USER_REWARDS)
+    monkeypatch.chdir(tmp_path)
+    yield "user_rewards"
+    sys.modules.pop("user_rewards", None)
+
+
+def test_a_user_reward_function_scores_with_the_problem_and_the_row_fields(user_module):
+    with GraderPool(timeout_s=5.0, workers=2, function=f"{user_module}:exact") as pool:
+        scores, metrics = pool.score(
+            ["7", " 12 ", "5", "7"], ["7", "12", "6", "7"], ["3+4", "5+7", "2+4", "3+4"], [{}, {"scale": 0.5}, {}, {}]
+        )
+    assert scores == [1.0, 0.5, 0.0, 1.0]
+    assert metrics["reward/errors"] == 0 and metrics["reward/timeouts"] == 0
+
+
+def test_a_raising_or_hanging_user_function_scores_0_counted_and_logged_once(user_module, caplog):
+    with GraderPool(timeout_s=1.0, workers=1, kill_grace_s=0.5, function=f"{user_module}:picky") as pool:
+        with caplog.at_level("WARNING", logger="nemo_disco.rewards"):
+            scores, metrics = pool.score(["boom", "ok", "boom", "text", "slow"], ["1"] * 5)
+    assert scores == [0.0, 0.25, 0.0, 0.0, 0.0]
+    assert metrics["reward/errors"] == 3  # two KeyErrors and a str returned instead of a float
+    assert metrics["reward/timeouts"] == 1
+    logged = [r.getMessage() for r in caplog.records if "reward.function" in r.getMessage()]
+    assert len(logged) == 1 and "KeyError: 'no such thing'" in logged[0] and "Traceback" in logged[0]
+
+
+@pytest.mark.parametrize(
+    ("path", "message"),
+    [
+        ("user_rewards.exact", "expected 'package.module:function'"),
+        ("no_such_module:fn", "module 'no_such_module' does not import (ModuleNotFoundError"),
+        ("user_rewards:missing", "has no attribute 'missing'"),
+        ("user_rewards:NOT_CALLABLE", "'NOT_CALLABLE' is a int, not a callable"),
+    ],
+)
+def test_a_bad_reward_function_path_fails_in_one_line(user_module, path, message):
+    from nemo_disco.rewards import load_reward_function
+
+    with pytest.raises(ValueError, match=re.escape(message)) as err:
+        load_reward_function(path)
+    assert str(err.value).startswith(f"reward.function={path!r}") and "\n" not in str(err.value)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        GraderPool(workers=1, function=path)
+
+
+def test_the_config_checks_the_reward_function_path():
+    from nemo_disco import config
+
+    raw = config.RunConfig().model_dump(mode="json")
+    raw["reward"]["function"] = "my_rewards:fmt"
+    assert config.validate(raw).reward.function == "my_rewards:fmt"
+    raw["reward"]["function"] = "my rewards.py"
+    with pytest.raises(config.ConfigError, match="reward.function"):
+        config.validate(raw)
