@@ -395,18 +395,31 @@ def train_step(tr: Trainer) -> dict[str, float]:
                 update_metrics.append({**lm, **out})
     metrics.update(timer.metrics())
     metrics.setdefault("timing/refit", 0.0)
-    metrics.update(_step_metrics(batch, old, entropy, update_metrics, records))
+    metrics.update(_step_metrics(batch, old, entropy, update_metrics, records, cfg.reward.positive_threshold))
     metrics.update(losses.mismatch_metrics(old, batch.gen_logprobs, mask))
     metrics.update(w_metrics)
     return metrics
 
 
 def _step_metrics(
-    batch: RolloutBatch, old: torch.Tensor, entropy: torch.Tensor, updates: list[dict[str, float]], records: list[dict]
+    batch: RolloutBatch,
+    old: torch.Tensor,
+    entropy: torch.Tensor,
+    updates: list[dict[str, float]],
+    records: list[dict],
+    threshold: float,
 ) -> dict[str, float]:
     mask = batch.response_mask
     lengths = mask.sum(1).float()
+    correct = batch.rewards > threshold
+    # Mean response length (tokens) of the correct and of the wrong rollouts; absent in a step that has none.
+    by_outcome = {
+        f"train/response_length_{name}_mean": float(lengths[sel].mean())
+        for name, sel in (("correct", correct), ("wrong", ~correct))
+        if bool(sel.any())
+    }
     out = {
+        **by_outcome,
         "train/reward_mean": float(batch.rewards.mean()),
         "train/response_length_mean": float(lengths.mean()),
         "train/response_length_max": float(lengths.max()),
