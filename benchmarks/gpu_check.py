@@ -541,7 +541,8 @@ def _moe_one(
         exported_devices=sorted(devices),
         exported_nonfinite=nonfinite,
         exported_changed=len(changed),
-        # Frozen routers (policy.freeze_router, the default) keep their weights; everything else trains.
+        # Frozen routers (policy.freeze_router, the default) keep their weights; everything else trains (in bf16,
+        # norm weights at 1.0 round back to 1.0 after one small step; the optimizer's fp32 main copy moves).
         exported_unchanged=sorted(set(before) - set(changed)),
     )
     r["ok"] = (

@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from nemo_disco import checkpoint, distributed, losses, rollouts, stats, watchdog
+from nemo_disco import checkpoint, distributed, losses, rollouts, stats, watchdog, weights
 from nemo_disco import config as config_lib
 from nemo_disco.batch import RolloutBatch, collate
 from nemo_disco.config import ConfigError, RunConfig
@@ -186,6 +186,9 @@ def setup(cfg: RunConfig, role: tuple[distributed.DistEnv, distributed.Link] | N
         config_lib.save(cfg, run_dir / "config.yaml")
     distributed.barrier()
     model_dir = prepare_model(cfg, run_dir)
+    if cfg.policy.backend == "megatron":
+        # An unsupported architecture stops the run here, in one line, before any engine or policy is built.
+        weights.ModelSpec.from_dir(model_dir)
 
     from transformers import AutoTokenizer
 

@@ -79,9 +79,18 @@ def test_moe_stage(run):
         assert r["off_device_after_build"] == [] and r["off_device_after_step"] == [], key
         assert r["logprob_diff"]["max"] < tol, key
         assert r["step"]["skipped"] == 0.0 and r["exported_devices"] == ["cpu"] and r["exported_nonfinite"] == []
-        # Frozen routers (policy.freeze_router's default) are the only tensors the update leaves alone.
-        assert r["exported_unchanged"] == ["model.layers.0.mlp.gate.weight", "model.layers.1.mlp.gate.weight"]
-        assert r["exported_changed"] == r["exported_tensors"] - 2
+        routers = ["model.layers.0.mlp.gate.weight", "model.layers.1.mlp.gate.weight"]
+        unchanged = r["exported_unchanged"]
+        if key == "float32_local":
+            # Frozen routers (policy.freeze_router's default) are the only tensors the update leaves alone.
+            assert unchanged == routers
+        else:
+            # bf16 parameters, as Megatron-LM's Float16Module makes them: a norm weight at 1.0 moves by lr = 1e-3,
+            # under half of bf16's spacing there (2^-7), so its bf16 copy rounds back to 1.0 (the fp32 main copy
+            # in the optimizer moves). Every other tensor changes.
+            assert set(routers) <= set(unchanged), unchanged
+            assert all(n in routers or n.endswith("norm.weight") for n in unchanged), unchanged
+        assert r["exported_changed"] == r["exported_tensors"] - len(unchanged)
 
 
 def test_r1_distill_qwen_1_5b_matmul_params():
