@@ -19,6 +19,10 @@ chain rule ``dL/dtheta = sum_i sum_k (dL/dstats[i, k]) * dstats[i, k]/dtheta``, 
 * pass 2: backwards ``surrogate(c[rows], stats(micro-batch))`` per micro-batch and SUMS the gradients
   over micro-batches and ranks (never averages).
 
+Each loss declares how far its coefficients reach (:meth:`Loss.coupling`: one rollout, one question, the whole
+mini-batch); where that is no further than a question, one pass suffices for micro-batches of whole questions
+(:mod:`nemo_disco.update` does both).
+
 Losses are minimised: ``loss = -objective + penalty (+ regularisers)``. Positives are rollouts with
 ``reward > positive_threshold`` (0.5 suits {0, 1} rewards, 0.0 suits {-1, +1}).
 
@@ -217,6 +221,44 @@ class TrpaParams(_Hyper):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# Coupling: how far the coefficients c_i = dL/dstats_i of an objective reach (Loss.coupling).
+
+ROLLOUT, QUESTION, MINIBATCH = "rollout", "question", "minibatch"
+COUPLINGS = (ROLLOUT, QUESTION, MINIBATCH)
+
+
+def _rollout_coupled(p: _Hyper, first_update: bool, weighted: bool) -> str:
+    """Linear in each rollout's statistics with coefficients known in advance (GRPO family, DAPO, GPG).
+
+    The advantages come from rewards, the clip is per token, the denominators (N, Q, T_q, T_tot, alpha) and
+    the KL-to-reference and entropy terms are sums of per-rollout statistics; rollout i's weight is its own.
+    """
+    return ROLLOUT
+
+
+def _question_coupled(p: _Hyper, first_update: bool, weighted: bool) -> str:
+    """Nonlinear or weight-normalised within a question only (GRPO_RW's weighted means, TRPA's pairs).
+
+    TRPA's trust region ``tr_kl_coef * sum_i tr_kl_i / T_tot`` is linear in the statistics: no coupling.
+    """
+    if weighted and getattr(p, "divisor", "all") == "valid":
+        return MINIBATCH  # the divisor counts questions whose weights are > 0, over the whole mini-batch
+    return QUESTION
+
+
+def _constrained_coupling(p: DiscoParams | DiscobParams, first_update: bool, weighted: bool) -> str:
+    """DisCO, DisCO-b: the DRO / mean terms couple one question; the KL hinge couples the whole mini-batch.
+
+    The hinge ``beta [K - delta]_+^2`` (and the authors' ``sg(max(beta (K - delta), 0)) K``) and its gradient
+    are exactly 0 where K = 0 <= delta, i.e. at the first update of a step (pi_theta = pi_old: every token's
+    k1 ``old - new`` and k3 ``expm1(d) - d`` are 0), and everywhere with beta = 0.
+    """
+    if weighted and p.divisor == "valid":
+        return MINIBATCH  # the divisor counts questions whose weights are > 0, over the whole mini-batch
+    return QUESTION if first_update or p.beta == 0 else MINIBATCH
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # The Loss object, registry and the trainer-facing helpers.
 
 
@@ -233,6 +275,8 @@ class Loss:
         hparams: frozen dataclass whose fields (and defaults) are the hyper-parameters this loss takes.
         stats_fn: ``(logprobs, old_logprobs, mask, entropy, ref_logprobs, params) -> [N, K]``.
         objective_fn: ``(stats, group_ids, rewards, weights, params) -> (loss, metrics)``.
+        coupling_fn: ``(params, first_update, weighted) -> ROLLOUT | QUESTION | MINIBATCH``: how far the
+            coefficients ``c_i = dL/dstats_i`` reach (see :meth:`coupling`).
     """
 
     name: str
@@ -242,6 +286,7 @@ class Loss:
     hparams: type[_Hyper]
     stats_fn: Callable[..., Tensor]
     objective_fn: Callable[..., tuple[Tensor, dict[str, Tensor | float]]]
+    coupling_fn: Callable[[Any, bool, bool], str]
 
     def params(self, **hp: Any) -> _Hyper:
         """Validate hyper-parameters into this loss's params dataclass.
@@ -262,6 +307,21 @@ class Loss:
         """This loss with ``needs_reference`` resolved for these hyper-parameters (validated)."""
         p = self.params(**hp)
         return replace(self, needs_reference=self.needs_reference or p.needs_reference)
+
+    def coupling(self, *, first_update: bool, weighted: bool, **hp: Any) -> str:
+        """How far this objective couples rollouts, for these hyper-parameters: the rows ``c_i = dL/dstats_i`` reads.
+
+        * ``ROLLOUT``: ``c_i`` depends on rollout i's own statistics only (and on what is known before any
+          forward: group ids, rewards, token counts, its own weight);
+        * ``QUESTION``: on the statistics and weights of rollout i's question;
+        * ``MINIBATCH``: on the statistics of the whole mini-batch.
+
+        ``first_update``: the weights are still pi_old's (the first update of a step), so every KL(pi_old ||
+        pi_theta) estimate is exactly 0. ``weighted``: rollout weights take part; at a one-pass first update the
+        weights of rollouts not yet forwarded are not known. A coupling up to the question lets one forward with
+        gradients give the exact coefficients of a micro-batch of whole questions (:mod:`nemo_disco.update`).
+        """
+        return self.coupling_fn(self.params(**hp), first_update, weighted)
 
     def stats(
         self,
@@ -1199,29 +1259,33 @@ def _registered(
     stat_names: tuple[str, ...],
     stats_fn: Callable[..., Tensor],
     objective_fn: Callable[..., tuple[Tensor, dict[str, Tensor | float]]],
+    coupling_fn: Callable[[Any, bool, bool], str],
     *,
     needs_entropy: bool = False,
 ) -> Loss:
     # needs_reference as the registry defaults want it (the GRPO family's kl_coef = 0: no; TRPA: always);
     # get_loss(name, **hp) resolves it for other hyper-parameters.
-    return Loss(name, stat_names, needs_entropy, hparams().needs_reference, hparams, stats_fn, objective_fn)
+    return Loss(
+        name, stat_names, needs_entropy, hparams().needs_reference, hparams, stats_fn, objective_fn, coupling_fn
+    )
 
 
 LOSSES: dict[str, Loss] = {
-    "disco": _registered("disco", DiscoParams, SCORE_STATS, score_stats, disco_objective),
-    "discob": _registered("discob", DiscobParams, SCORE_STATS, score_stats, discob_objective),
-    "grpo": _registered("grpo", ClipParams, CLIP_STATS, clip_stats, grpo_objective),
-    "grpo_rw": _registered("grpo_rw", GrpoRwParams, CLIP_STATS, clip_stats, grpo_rw_objective),
-    "dr_grpo": _registered("dr_grpo", DrGrpoParams, CLIP_STATS, clip_stats, dr_grpo_objective),
-    "dapo": _registered("dapo", DapoParams, CLIP_STATS, clip_stats, dapo_objective),
+    "disco": _registered("disco", DiscoParams, SCORE_STATS, score_stats, disco_objective, _constrained_coupling),
+    "discob": _registered("discob", DiscobParams, SCORE_STATS, score_stats, discob_objective, _constrained_coupling),
+    "grpo": _registered("grpo", ClipParams, CLIP_STATS, clip_stats, grpo_objective, _rollout_coupled),
+    "grpo_rw": _registered("grpo_rw", GrpoRwParams, CLIP_STATS, clip_stats, grpo_rw_objective, _question_coupled),
+    "dr_grpo": _registered("dr_grpo", DrGrpoParams, CLIP_STATS, clip_stats, dr_grpo_objective, _rollout_coupled),
+    "dapo": _registered("dapo", DapoParams, CLIP_STATS, clip_stats, dapo_objective, _rollout_coupled),
     "grpo_er": _registered(
         "grpo_er",
         GrpoErParams,
         CLIP_STATS + ("entropy_sum",),
         _clip_stats_with_entropy,
         grpo_er_objective,
+        _rollout_coupled,
         needs_entropy=True,
     ),
-    "gpg": _registered("gpg", GpgParams, GPG_STATS, gpg_stats, gpg_objective),
-    "trpa": _registered("trpa", TrpaParams, TRPA_STATS, trpa_stats, trpa_objective),
+    "gpg": _registered("gpg", GpgParams, GPG_STATS, gpg_stats, gpg_objective, _rollout_coupled),
+    "trpa": _registered("trpa", TrpaParams, TRPA_STATS, trpa_stats, trpa_objective, _question_coupled),
 }
