@@ -91,7 +91,6 @@ class Trainer:
     rollouts: rollouts.RolloutSource
     logger: MetricsLogger
     loss: losses.Loss
-    loss_hp: dict[str, Any]
     ref_policy: Policy | None = None
     step: int = 0
     update_plans: list[str] = field(default_factory=list)  # the last step's (logged when they change)
@@ -201,8 +200,7 @@ def setup(cfg: RunConfig, role: tuple[distributed.DistEnv, distributed.Link] | N
     problems, prompt_ids, skipped, dropped = rollouts.train_problems(cfg, tokenizer)
     sampler = rollouts.new_sampler(cfg, len(problems))
     policy = build_policy(cfg, model_dir)
-    hp = config_lib.loss_kwargs(cfg)
-    loss = losses.get_loss(cfg.loss.name, **hp)
+    loss = losses.get_loss(cfg.loss.name, **config_lib.loss_kwargs(cfg))  # validated and bound once
     # The KL reference (GRPO family with kl_coef > 0): forward only, offloaded with the policy when colocated.
     ref_policy = build_policy(cfg, model_dir, trainable=False) if loss.needs_reference else None
 
@@ -227,6 +225,7 @@ def setup(cfg: RunConfig, role: tuple[distributed.DistEnv, distributed.Link] | N
     )
     for note in notes:
         logger.write(note)
+    logger.write(f"loss {loss.name}: " + ", ".join(f"{k}={v}" for k, v in loss.hyperparameters.items()))
     if latest is not None:
         logger.write(f"resumed from {latest} (step {step})")
     if skipped or dropped:
@@ -265,7 +264,6 @@ def setup(cfg: RunConfig, role: tuple[distributed.DistEnv, distributed.Link] | N
         rollouts=source,
         logger=logger,
         loss=loss,
-        loss_hp=hp,
         ref_policy=ref_policy,
         step=step,
         dropped_prompts=dropped,
@@ -333,7 +331,7 @@ def train_step(tr: Trainer) -> dict[str, float]:
     (:func:`nemo_disco.update.plan`). A first update in one pass makes pi_old's log-probs of its mini-batch
     itself: the no-grad forward then covers the other mini-batches only.
     """
-    cfg, loss, hp, policy = tr.cfg, tr.loss, tr.loss_hp, tr.policy
+    cfg, loss, policy = tr.cfg, tr.loss, tr.policy
     timer = Timer()
     correction = update.Correction(cfg.rollout_correction, cfg.loss.rollout_correction_cap)
     with timer("step"):
@@ -346,7 +344,6 @@ def train_step(tr: Trainer) -> dict[str, float]:
         first = update.plan(
             policy,
             loss,
-            hp,
             batch.select(slice(0, per_mb)),
             local.select(slice(0, per_mb_local)),
             _dp_slice(per_mb, policy),
@@ -386,7 +383,7 @@ def train_step(tr: Trainer) -> dict[str, float]:
                     first
                     if m == 0
                     else update.plan(
-                        policy, loss, hp, full_mb, local_mb, dp_rows, first_update=False, correction=correction
+                        policy, loss, full_mb, local_mb, dp_rows, first_update=False, correction=correction
                     )
                 )
                 plans.append(f"update {m}: {pl.passes} pass{'es' if pl.passes > 1 else ''} ({pl.why})")
@@ -399,7 +396,7 @@ def train_step(tr: Trainer) -> dict[str, float]:
                     old_entropy=ent_local[rows_local],
                     weights=None if one_pass_first or weights is None else weights[rows],
                 )
-                res = update.run(policy, loss, hp, mb, passes=pl.passes, first_update=m == 0, correction=correction)
+                res = update.run(policy, loss, mb, passes=pl.passes, first_update=m == 0, correction=correction)
                 forwards += res.forwards / num_mb
                 if res.old_logprobs is not None:
                     old_local[rows_local] = res.old_logprobs

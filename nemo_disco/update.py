@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -113,7 +112,6 @@ class Result:
 def plan(
     policy: Policy,
     loss: losses.Loss,
-    hp: dict[str, Any],
     full: RolloutBatch,
     local: RolloutBatch,
     rows: slice,
@@ -128,7 +126,7 @@ def plan(
     micro-batches (``policy.microbatch_rows``); no pipeline parallelism (the surrogate runs on the last stage
     only, where the statistics would stay).
     """
-    coupling = loss.coupling(first_update=first_update, weighted=correction.weighted, **hp)
+    coupling = loss.coupling(first_update=first_update, weighted=correction.weighted)
     where = "the first update" if first_update else "a later update"
     if getattr(policy, "pp", 1) > 1:
         return Plan(2, "pipeline parallelism: statistics exist on the last stage only")
@@ -152,7 +150,6 @@ def plan(
 def run(
     policy: Policy,
     loss: losses.Loss,
-    hp: dict[str, Any],
     mb: Minibatch,
     *,
     passes: int,
@@ -164,8 +161,7 @@ def run(
 
     Args:
         policy: the trained policy.
-        loss: the loss, bound (``losses.get_loss(name, **hp)``).
-        hp: its hyper-parameters.
+        loss: the loss, its hyper-parameters bound (``losses.get_loss(name)``).
         mb: the mini-batch.
         passes: 1 or 2, as :func:`plan` decided (on every rank).
         first_update: the weights are pi_old's (the step's first update).
@@ -173,15 +169,15 @@ def run(
         entropy_metric: a one-pass first update also returns pi_old's entropy (``train/entropy``).
     """
     if passes == 1:
-        return _one_pass(policy, loss, hp, mb, first_update, correction, entropy_metric)
-    return _two_passes(policy, loss, hp, mb, first_update)
+        return _one_pass(policy, loss, mb, first_update, correction, entropy_metric)
+    return _two_passes(policy, loss, mb, first_update)
 
 
 def _gather(t: Tensor, policy: Policy) -> Tensor:
     return distributed.all_gather_rows(t, policy.dp_group) if policy.dp_size > 1 else t
 
 
-def _two_passes(policy: Policy, loss: losses.Loss, hp: dict[str, Any], mb: Minibatch, first_update: bool) -> Result:
+def _two_passes(policy: Policy, loss: losses.Loss, mb: Minibatch, first_update: bool) -> Result:
     local = mb.local
     if local.old_logprobs is None:
         raise ValueError("update in two passes: the mini-batch needs old_logprobs attached")
@@ -190,10 +186,8 @@ def _two_passes(policy: Policy, loss: losses.Loss, hp: dict[str, Any], mb: Minib
     else:
         lp, ent = policy.logprobs(local, entropy=loss.needs_entropy)
     old, mask, ref = local.old_logprobs, local.response_mask, local.ref_logprobs
-    stats = _gather(loss.stats(lp, old, mask, entropy=ent, ref_logprobs=ref, **hp), policy)
-    coeffs, value, metrics = losses.coefficients(
-        loss, stats, mb.full.group_ids, mb.full.rewards, weights=mb.weights, **hp
-    )
+    stats = _gather(loss.stats(lp, old, mask, entropy=ent, ref_logprobs=ref), policy)
+    coeffs, value, metrics = losses.coefficients(loss, stats, mb.full.group_ids, mb.full.rewards, weights=mb.weights)
     forwards = 1 if first_update else 2
     if not math.isfinite(value):
         return Result({**metrics, "skipped": 1.0}, forwards - 1, trained=False)
@@ -207,7 +201,6 @@ def _two_passes(policy: Policy, loss: losses.Loss, hp: dict[str, Any], mb: Minib
             mask[idx].to(dev),
             entropy=ent,
             ref_logprobs=ref[idx].to(dev) if ref is not None else None,
-            **hp,
         )
         return losses.surrogate(c_local[idx].to(dev, st.dtype), st)
 
@@ -215,7 +208,7 @@ def _two_passes(policy: Policy, loss: losses.Loss, hp: dict[str, Any], mb: Minib
     return Result({**metrics, **out}, forwards)
 
 
-def placeholder_stats(loss: losses.Loss, hp: dict[str, Any], batch: RolloutBatch) -> Tensor:
+def placeholder_stats(loss: losses.Loss, batch: RolloutBatch) -> Tensor:
     """Statistics [N, K] (float64) of log-probs 0 against old log-probs 0: true token counts, KL 0, any scores."""
     mask = batch.response_mask
     zeros = torch.zeros(mask.shape, dtype=torch.float64)
@@ -226,14 +219,12 @@ def placeholder_stats(loss: losses.Loss, hp: dict[str, Any], batch: RolloutBatch
             mask,
             entropy=zeros if loss.needs_entropy else None,
             ref_logprobs=zeros if loss.needs_reference else None,
-            **hp,
         )
 
 
 def _one_pass(
     policy: Policy,
     loss: losses.Loss,
-    hp: dict[str, Any],
     mb: Minibatch,
     first_update: bool,
     correction: Correction,
@@ -243,7 +234,7 @@ def _one_pass(
     if not first_update and local.old_logprobs is None:
         raise ValueError("update in one pass after the first: the mini-batch needs old_logprobs attached")
     n, width = local.response_ids.shape
-    template = placeholder_stats(loss, hp, full)  # [N, K]
+    template = placeholder_stats(loss, full)  # [N, K]
     stats_local = torch.full((n, template.shape[1]), math.nan, dtype=torch.float64)
     make_old = first_update and local.old_logprobs is None
     old_out = torch.zeros((n, width), dtype=torch.float64) if make_old else None
@@ -270,7 +261,7 @@ def _one_pass(
         else:
             old = sub.old_logprobs.to(dev)
         ref = sub.ref_logprobs.to(dev) if sub.ref_logprobs is not None else None
-        st = loss.stats(lp, old, mask, entropy=ent if loss.needs_entropy else None, ref_logprobs=ref, **hp)
+        st = loss.stats(lp, old, mask, entropy=ent if loss.needs_entropy else None, ref_logprobs=ref)
         rows = idx + start  # [n] rows within the mini-batch
         weights = w_full
         if make_weights:
@@ -283,7 +274,7 @@ def _one_pass(
         filled = template.clone()
         filled[rows] = st.detach().to("cpu", torch.float64)
         stats_local[idx] = filled[rows]
-        coeffs, value, _ = losses.coefficients(loss, filled, full.group_ids, full.rewards, weights=weights, **hp)
+        coeffs, value, _ = losses.coefficients(loss, filled, full.group_ids, full.rewards, weights=weights)
         c = coeffs[rows]
         if not math.isfinite(value):  # the policy then skips the update (non-finite surrogate)
             nonfinite[0] = True
@@ -296,7 +287,7 @@ def _one_pass(
     gathered = _gather(torch.cat(cols, dim=1), policy)
     stats = gathered[:, : template.shape[1]]
     weights = gathered[:, -1] if w_local is not None else w_full
-    _, _, metrics = losses.coefficients(loss, stats, full.group_ids, full.rewards, weights=weights, **hp)
+    _, _, metrics = losses.coefficients(loss, stats, full.group_ids, full.rewards, weights=weights)
     if nonfinite[0]:
         out = {**out, "skipped": 1.0}
     return Result(

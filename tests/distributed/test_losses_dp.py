@@ -56,7 +56,7 @@ def _check_all_losses(rank: int) -> tuple[int, int]:
                 for corr in h.CORRECTIONS.values():
                     full, value, _, _, _ = h.full_batch_gradient(pol, sub, fn, hp, first=first, correction=corr)
                     policy = h.TinyModelPolicy(pol, "3mb", rank, WORLD)
-                    pl = update.plan(policy, fn, hp, sub, sub.select(rows), rows, first_update=first, correction=corr)
+                    pl = update.plan(policy, fn, sub, sub.select(rows), rows, first_update=first, correction=corr)
                     coupling = fn.coupling(first_update=first, weighted=corr.weighted, **hp)
                     if coupling == losses.QUESTION:
                         assert pl.passes == (1 if layout_name == "whole" else 2), (name, hp, layout_name)

@@ -135,7 +135,7 @@ def run_update(pol, batch, fn, hp, layout, *, first, correction, passes, rows=No
             old_full, batch.gen_logprobs, batch.response_mask, mode=correction.mode, cap=correction.cap
         )
     mb = update.Minibatch(full=batch, local=local, rows=rows, old_entropy=old_entropy, weights=weights)
-    res = update.run(policy, fn, hp, mb, passes=passes, first_update=first, correction=correction)
+    res = update.run(policy, fn, mb, passes=passes, first_update=first, correction=correction)
     return policy.grad, res, policy
 
 
@@ -155,7 +155,7 @@ def test_one_pass_equals_two_passes_equals_full_batch(name, hp, first, correctio
     one_pass_layouts = []
     for layout in LAYOUTS:
         policy = TinyModelPolicy(pol, layout)
-        pl = update.plan(policy, fn, hp, batch, batch, slice(0, len(batch)), first_update=first, correction=corr)
+        pl = update.plan(policy, fn, batch, batch, slice(0, len(batch)), first_update=first, correction=corr)
         g2, res2, pol2 = run_update(pol, batch, fn, hp, layout, first=first, correction=corr, passes=2)
         torch.testing.assert_close(g2, full, atol=1e-10, rtol=0)
         assert res2.metrics["loss"] == pytest.approx(value, abs=1e-12)
@@ -189,7 +189,7 @@ def test_disco_takes_one_pass_at_the_first_update_only_and_that_is_where_it_is_e
     fn = losses.get_loss("disco", **hp)
     corr = update.Correction()
     policy = TinyModelPolicy(pol, "2mb")
-    args = (policy, fn, hp, batch, batch, slice(0, len(batch)))
+    args = (policy, fn, batch, batch, slice(0, len(batch)))
     assert update.plan(*args, first_update=True, correction=corr).passes == 1
     assert update.plan(*args, first_update=False, correction=corr).passes == 2
     # Later update with the constraint active: the hinge couples the micro-batches, one pass would be wrong.
@@ -199,19 +199,14 @@ def test_disco_takes_one_pass_at_the_first_update_only_and_that_is_where_it_is_e
     assert float((wrong - full).abs().max()) > 1e-3
     # Questions split over micro-batches: DisCO's DRO couples them, so one pass is refused and would be wrong.
     split = TinyModelPolicy(pol, "split3")
-    assert (
-        update.plan(split, fn, hp, batch, batch, slice(0, len(batch)), first_update=True, correction=corr).passes == 2
-    )
+    assert update.plan(split, fn, batch, batch, slice(0, len(batch)), first_update=True, correction=corr).passes == 2
     full_first, *_ = full_batch_gradient(pol, batch, fn, hp, first=True, correction=corr)
     wrong_split, _, _ = run_update(pol, batch, fn, hp, "split3", first=True, correction=corr, passes=1)
     assert float((wrong_split - full_first).abs().max()) > 1e-6
     # beta = 0: no hinge, one pass at every update.
     hp0 = {**hp, "beta": 0.0}
     fn0 = losses.get_loss("disco", **hp0)
-    assert (
-        update.plan(policy, fn0, hp0, batch, batch, slice(0, len(batch)), first_update=False, correction=corr).passes
-        == 1
-    )
+    assert update.plan(policy, fn0, batch, batch, slice(0, len(batch)), first_update=False, correction=corr).passes == 1
 
 
 def test_divisor_valid_with_weights_keeps_two_passes():
@@ -220,7 +215,7 @@ def test_divisor_valid_with_weights_keeps_two_passes():
     for name in ("disco", "discob", "grpo_rw"):
         fn = losses.get_loss(name, **hp)
         policy = TinyModelPolicy(pol, "1mb")
-        args = (policy, fn, hp, batch, batch, slice(0, len(batch)))
+        args = (policy, fn, batch, batch, slice(0, len(batch)))
         assert update.plan(*args, first_update=True, correction=CORRECTIONS["seq_tis"]).passes == 2
         assert update.plan(*args, first_update=True, correction=CORRECTIONS["unweighted"]).passes == 1
 
