@@ -144,7 +144,9 @@ def plan(
         ok = not distributed.any_rank(not ok)
     if not ok:
         return Plan(2, f"loss {loss.name} couples a question's rollouts, and a question spans micro-batches or ranks")
-    return Plan(1, f"loss {loss.name} couples at most a question at {where}; micro-batches hold whole questions")
+    if coupling == losses.ROLLOUT:
+        return Plan(1, f"loss {loss.name}'s coefficients are per rollout at {where}")
+    return Plan(1, f"loss {loss.name} couples a question's rollouts at {where}; micro-batches hold whole questions")
 
 
 def run(
