@@ -5,13 +5,19 @@ ahead in the generator's own processes, ``algorithm.async_rollouts``)::
 
     rollouts.next(step): algorithm.prompts_per_step questions with rollouts_per_prompt graded responses each and
         the generator's token log-probs (and the weight version that sampled them)
-     -> policy.logprobs (no grad): pi_old's log-probs, frozen for the whole step
+     -> policy.logprobs (no grad): pi_old's log-probs, frozen for the whole step (not of a first mini-batch
+        trained in one pass: that pass makes them)
      -> mini-batches of whole questions (minibatch_prompts; prompts_per_step / minibatch_prompts updates)
-        for each: pass 1: per-rollout statistics at the current weights (the first mini-batch reuses
-                  pi_old's log-probs: the weights have not moved yet), gathered over data-parallel ranks;
-                  coefficients c = dL/dstats of the whole mini-batch objective (losses.coefficients);
-                  pass 2: policy.train_minibatch backwards sum(c * stats) micro-batch by micro-batch
-                  (any micro-batch size, any data-parallel size: the gradient is the mini-batch one)
+        for each: nemo_disco.update, one unit: in general pass 1: per-rollout statistics at the current weights
+                  (the first mini-batch reuses pi_old's log-probs: the weights have not moved yet), gathered
+                  over data-parallel ranks; coefficients c = dL/dstats of the whole mini-batch objective
+                  (losses.coefficients); pass 2: policy.train_minibatch backwards sum(c * stats) micro-batch by
+                  micro-batch (any micro-batch size, any data-parallel size: the gradient is the mini-batch one).
+                  Where the loss couples rollouts no further than a question at this update (Loss.coupling:
+                  the GRPO family always; DisCO at the first update, whose KL hinge is exactly 0) and micro-
+                  batches hold whole questions, ONE pass: each micro-batch's forward with gradients gives its
+                  statistics, its exact coefficients and its backward (update.plan; logged, and counted in
+                  update/forward_passes)
      -> rollouts.publish(step): the new weights are the generator's next (synchronous: refit before the next
         generation; asynchronous: streamed to the generator's processes now)
      -> metrics, validation every data.val_every steps, checkpoint every checkpoint.save_every steps
@@ -47,7 +53,7 @@ from typing import Any
 
 import torch
 
-from nemo_disco import checkpoint, distributed, losses, rollouts, stats, watchdog, weights
+from nemo_disco import checkpoint, distributed, losses, rollouts, stats, update, watchdog, weights
 from nemo_disco import config as config_lib
 from nemo_disco.batch import RolloutBatch, collate
 from nemo_disco.config import ConfigError, RunConfig
@@ -84,9 +90,9 @@ class Trainer:
     rollouts: rollouts.RolloutSource
     logger: MetricsLogger
     loss: losses.Loss
-    loss_hp: dict[str, Any]
     ref_policy: Policy | None = None
     step: int = 0
+    update_plans: list[str] = field(default_factory=list)  # the last step's (logged when they change)
     dropped_prompts: int = 0
     signal_received: list[int] = field(default_factory=list)
 
@@ -198,8 +204,7 @@ def setup(cfg: RunConfig, role: tuple[distributed.DistEnv, distributed.Link] | N
     # Synchronous: the generator first (asleep when colocated), so that vLLM finds the GPU's memory free.
     generator = rollouts.start_generator(cfg, model_dir) if role is None else None
     policy = build_policy(cfg, model_dir)
-    hp = config_lib.loss_kwargs(cfg)
-    loss = losses.get_loss(cfg.loss.name, **hp)
+    loss = losses.get_loss(cfg.loss.name, **config_lib.loss_kwargs(cfg))  # validated and bound once
     # The KL reference (GRPO family with kl_coef > 0): forward only, offloaded with the policy when colocated.
     ref_policy = build_policy(cfg, model_dir, trainable=False) if loss.needs_reference else None
 
@@ -224,6 +229,7 @@ def setup(cfg: RunConfig, role: tuple[distributed.DistEnv, distributed.Link] | N
     )
     for note in notes:
         logger.write(note)
+    logger.write(f"loss {loss.name}: " + ", ".join(f"{k}={v}" for k, v in loss.hyperparameters.items()))
     if latest is not None:
         logger.write(f"resumed from {latest} (step {step})")
     if skipped or dropped:
@@ -262,7 +268,6 @@ def setup(cfg: RunConfig, role: tuple[distributed.DistEnv, distributed.Link] | N
         rollouts=source,
         logger=logger,
         loss=loss,
-        loss_hp=hp,
         ref_policy=ref_policy,
         step=step,
         dropped_prompts=dropped,
@@ -324,83 +329,109 @@ def _gather_rows(t: torch.Tensor, policy: Policy, num_minibatches: int) -> torch
 
 
 def train_step(tr: Trainer) -> dict[str, float]:
-    """One step of Algorithm 1; returns its metrics."""
-    cfg, loss, hp, policy = tr.cfg, tr.loss, tr.loss_hp, tr.policy
+    """One step of Algorithm 1; returns its metrics.
+
+    The loop over mini-batches; each update is :func:`nemo_disco.update.run`, in one pass where that is exact
+    (:func:`nemo_disco.update.plan`). A first update in one pass makes pi_old's log-probs of its mini-batch
+    itself: the no-grad forward then covers the other mini-batches only.
+    """
+    cfg, loss, policy = tr.cfg, tr.loss, tr.policy
     timer = Timer()
+    correction = update.Correction(cfg.rollout_correction, cfg.loss.rollout_correction_cap)
     with timer("step"):
         records, metrics = tr.rollouts.next(tr.step + 1)
         batch = build_batch(tr, records)
         num_mb = tr.cfg.updates_per_step
         local = batch.select(_local_rows(len(batch), num_mb, policy))
-        with timer("old_logprobs"):
-            old_local, ent_local = policy.logprobs(local, entropy=True)
-            ref_local = _reference_logprobs(tr, local)
-        old = _gather_rows(old_local, policy, num_mb)
-        entropy = _gather_rows(ent_local, policy, num_mb)
-        mask = batch.response_mask
-        weights, w_metrics = losses.rollout_weights(
-            old, batch.gen_logprobs, mask, mode=cfg.rollout_correction, cap=cfg.loss.rollout_correction_cap
-        )
         per_mb_local = len(local) // num_mb
         per_mb = len(batch) // num_mb
+        first = update.plan(
+            policy,
+            loss,
+            batch.select(slice(0, per_mb)),
+            local.select(slice(0, per_mb_local)),
+            _dp_slice(per_mb, policy),
+            first_update=True,
+            correction=correction,
+        )
+        # pi_old's log-probs: of every mini-batch but a first one trained in one pass (it makes its own).
+        skip = per_mb_local if first.passes == 1 else 0
+        width = local.response_ids.shape[1]
+        old_local = torch.zeros((len(local), width), dtype=torch.float32)
+        ent_local = torch.zeros((len(local), width), dtype=torch.float32)
+        with timer("old_logprobs"):
+            if skip < len(local):
+                lp, ent = policy.logprobs(local.select(slice(skip, None)), entropy=True)
+                old_local[skip:], ent_local[skip:] = lp, ent
+            ref_local = _reference_logprobs(tr, local)
+        local = local.with_(old_logprobs=old_local, ref_logprobs=ref_local)
+        old = _gather_rows(old_local, policy, num_mb)  # rows of a one-pass first mini-batch: 0 until it ran
+        weights, _ = losses.rollout_weights(
+            old,
+            batch.gen_logprobs,
+            batch.response_mask,
+            mode=cfg.rollout_correction,
+            cap=cfg.loss.rollout_correction_cap,
+        )
+        forwards = (num_mb - (1 if skip else 0)) / num_mb
         update_metrics: list[dict[str, float]] = []
+        plans: list[str] = []
+        one_pass = 0
         with timer("train"):
             for m in range(num_mb):
                 rows_local = slice(m * per_mb_local, (m + 1) * per_mb_local)
                 rows = slice(m * per_mb, (m + 1) * per_mb)
-                mb_local = local.select(rows_local)
-                old_mb, mask_mb = old_local[rows_local], mb_local.response_mask
-                ref_mb = ref_local[rows_local] if ref_local is not None else None
-                if m == 0:  # The weights are still pi_old's: the current log-probs ARE the old ones.
-                    lp_mb, ent_mb = old_mb, ent_local[rows_local]
-                else:
-                    lp_mb, ent_mb = policy.logprobs(mb_local, entropy=loss.needs_entropy)
-                stats_local = loss.stats(lp_mb, old_mb, mask_mb, entropy=ent_mb, ref_logprobs=ref_mb, **hp)
-                stats = distributed.all_gather_rows(stats_local, policy.dp_group) if policy.dp_size > 1 else stats_local
-                coeffs, value, lm = losses.coefficients(
-                    loss,
-                    stats,
-                    batch.group_ids[rows],
-                    batch.rewards[rows],
-                    weights=weights[rows] if weights is not None else None,
-                    **hp,
-                )
-                if not math.isfinite(value):
-                    update_metrics.append({**lm, "skipped": 1.0})
-                    tr.logger.write(f"step {tr.step + 1} update {m}: non-finite loss {value}; update skipped")
-                    continue
-                c_local = coeffs[_dp_slice(per_mb, policy)]
-
-                def surrogate_fn(
-                    idx: torch.Tensor,
-                    lp: torch.Tensor,
-                    ent: torch.Tensor | None,
-                    c_local: torch.Tensor = c_local,
-                    old_mb: torch.Tensor = old_mb,
-                    mask_mb: torch.Tensor = mask_mb,
-                    ref_mb: torch.Tensor | None = ref_mb,
-                ) -> torch.Tensor:
-                    dev = lp.device
-                    st = loss.stats(
-                        lp,
-                        old_mb[idx].to(dev),
-                        mask_mb[idx].to(dev),
-                        entropy=ent,
-                        ref_logprobs=ref_mb[idx].to(dev) if ref_mb is not None else None,
-                        **hp,
+                full_mb, local_mb = batch.select(rows), local.select(rows_local)
+                dp_rows = _dp_slice(per_mb, policy)
+                pl = (
+                    first
+                    if m == 0
+                    else update.plan(
+                        policy, loss, full_mb, local_mb, dp_rows, first_update=False, correction=correction
                     )
-                    return losses.surrogate(c_local[idx].to(dev, st.dtype), st)
-
-                out = policy.train_minibatch(mb_local, surrogate_fn, entropy=loss.needs_entropy)
-                tr.rollouts.weights_changed()
-                if out["skipped"]:
-                    tr.logger.write(f"step {tr.step + 1} update {m}: non-finite gradient; update skipped")
-                update_metrics.append({**lm, **out})
+                )
+                plans.append(f"update {m}: {pl.passes} pass{'es' if pl.passes > 1 else ''} ({pl.why})")
+                one_pass += pl.passes == 1
+                one_pass_first = m == 0 and pl.passes == 1
+                mb = update.Minibatch(
+                    full=full_mb,
+                    local=local_mb.with_(old_logprobs=None) if one_pass_first else local_mb,
+                    rows=dp_rows,
+                    old_entropy=ent_local[rows_local],
+                    weights=None if one_pass_first or weights is None else weights[rows],
+                )
+                res = update.run(policy, loss, mb, passes=pl.passes, first_update=m == 0, correction=correction)
+                forwards += res.forwards / num_mb
+                if res.old_logprobs is not None:
+                    old_local[rows_local] = res.old_logprobs
+                    if res.old_entropy is not None:
+                        ent_local[rows_local] = res.old_entropy
+                if not res.trained:
+                    tr.logger.write(
+                        f"step {tr.step + 1} update {m}: non-finite loss {res.metrics['loss']}; update skipped"
+                    )
+                else:
+                    tr.rollouts.weights_changed()
+                    if res.metrics.get("skipped"):
+                        tr.logger.write(f"step {tr.step + 1} update {m}: non-finite gradient; update skipped")
+                update_metrics.append(res.metrics)
+        if plans != tr.update_plans:
+            tr.logger.write(f"step {tr.step + 1}: " + "; ".join(plans))
+            tr.update_plans = plans
+    if skip:  # the first mini-batch's old log-probs came from its one pass
+        old = _gather_rows(old_local, policy, num_mb)
+    entropy = _gather_rows(ent_local, policy, num_mb)
+    mask = batch.response_mask
+    _, w_metrics = losses.rollout_weights(
+        old, batch.gen_logprobs, mask, mode=cfg.rollout_correction, cap=cfg.loss.rollout_correction_cap
+    )
     metrics.update(timer.metrics())
     metrics.setdefault("timing/refit", 0.0)
     metrics.update(_step_metrics(batch, old, entropy, update_metrics, records, cfg.reward.positive_threshold))
     metrics.update(losses.mismatch_metrics(old, batch.gen_logprobs, mask))
     metrics.update(w_metrics)
+    metrics["update/forward_passes"] = forwards
+    metrics["update/one_pass_updates"] = float(one_pass)
     return metrics
 
 

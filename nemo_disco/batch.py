@@ -7,7 +7,7 @@ aligned with ``response_ids`` (``logprobs[i, t] = log pi(response_ids[i, t] | pr
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -71,6 +71,60 @@ class RolloutBatch:
     def with_(self, **changes: torch.Tensor | None) -> RolloutBatch:
         """A copy with some fields replaced."""
         return replace(self, **changes)
+
+
+def question_runs(group_ids: torch.Tensor) -> list[tuple[int, int]]:
+    """``(begin, end)`` of each run of equal consecutive ids (a question's adjacent rollouts), in order."""
+    n = int(group_ids.numel())
+    if n == 0:
+        return []
+    starts = [0] + (torch.nonzero(group_ids[1:] != group_ids[:-1]).squeeze(1) + 1).tolist()
+    return list(zip(starts, starts[1:] + [n], strict=True))
+
+
+def whole_questions(group_ids: torch.Tensor, parts: Sequence[torch.Tensor]) -> bool:
+    """Whether every id of ``group_ids`` [N] has all its rows in one of ``parts`` (row indices)."""
+    inv = torch.unique(group_ids, return_inverse=True)[1]  # [N] dense question index
+    total = torch.bincount(inv)  # [Q] rollouts of each question
+    for rows in parts:
+        present, count = torch.unique(inv[rows], return_counts=True)
+        if bool((total[present] != count).any()):
+            return False
+    return True
+
+
+def pack_questions(group_ids: torch.Tensor, fits: Callable[[int, int], bool]) -> list[torch.Tensor]:
+    """Consecutive micro-batches that keep each question's rollouts together wherever they fit, greedily.
+
+    Args:
+        group_ids: [N] question ids; a question's rollouts are a run of equal ids (:func:`question_runs`).
+        fits: ``fits(start, stop)``: whether rows ``start:stop`` fit one micro-batch's budget. A question that
+            does not fit alone is split row by row (every micro-batch has at least one row).
+
+    Returns:
+        Row indices of each micro-batch, in order, covering every row once.
+    """
+    out: list[torch.Tensor] = []
+    start = 0
+    for begin, end in question_runs(group_ids):
+        if fits(start, end):
+            continue  # the question joins the current micro-batch
+        if begin > start:
+            out.append(torch.arange(start, begin))
+            start = begin
+        if fits(start, end):
+            continue
+        while True:  # too large alone: row by row; its last rows stay open for the next question
+            stop = start + 1
+            while stop < end and fits(start, stop + 1):
+                stop += 1
+            if stop == end:
+                break
+            out.append(torch.arange(start, stop))
+            start = stop
+    if start < len(group_ids):
+        out.append(torch.arange(start, len(group_ids)))
+    return out
 
 
 def _take(t: torch.Tensor | None, index: torch.Tensor | slice) -> torch.Tensor | None:

@@ -1,4 +1,4 @@
-"""Typed run configuration: the one place where every default lives.
+"""Typed run configuration: the one place where every default lives (a loss's hyper-parameters: beside the loss).
 
 A recipe is a YAML file that may start with a Hydra ``defaults:`` list (``[disco, _self_]``) naming
 other recipes in the same folder; it is composed with Hydra, ``key=value`` overrides are applied,
@@ -179,36 +179,41 @@ class RewardConfig(_Section):
 
 
 class LossConfig(_Section):
-    """The objective (losses.LOSSES) and its hyper-parameters."""
+    """The objective (losses.LOSSES) and its hyper-parameters.
+
+    A hyper-parameter left null takes the chosen loss's default, defined once beside the loss in
+    :mod:`nemo_disco.losses` (``DiscoParams``, ``ClipParams``, ``DapoParams``, ...); :func:`loss_kwargs` binds the
+    values once at start-up. The types and ranges below make a wrong value fail at load time with its key.
+    """
 
     name: Literal["disco", "discob", "grpo", "grpo_rw", "dr_grpo", "dapo", "grpo_er", "gpg", "trpa"] = "disco"
-    score: Literal["logl", "lratio"] = "logl"
-    tau: float = Field(10.0, gt=0)
-    delta: float = Field(1e-4, ge=0)
-    beta: float = Field(1e3, ge=0)
-    kl: Literal["k1", "k3"] = "k1"
-    official_compat: bool = False
+    score: Literal["logl", "lratio"] | None = None
+    tau: float | None = Field(None, gt=0)
+    delta: float | None = Field(None, ge=0)
+    beta: float | None = Field(None, ge=0)
+    kl: Literal["k1", "k3"] | None = None
+    official_compat: bool | None = None
     # Questions in the objective's denominator: all of the mini-batch (the authors' code) or only those with a
     # positive and a negative rollout.
-    divisor: Literal["all", "valid"] = "all"
+    divisor: Literal["all", "valid"] | None = None
     # Largest |log pi_theta - log pi_old| fed to exp() in the L-ratio score (clamped, counted).
-    max_log_ratio: float = Field(20.0, gt=0)
-    # GRPO family.
-    clip_eps: float = Field(0.2, gt=0, lt=1)
+    max_log_ratio: float | None = Field(None, gt=0)
+    # GRPO family (clip_eps_high null: the loss's default, symmetric for GRPO, 0.28 for DAPO).
+    clip_eps: float | None = Field(None, gt=0, lt=1)
     clip_eps_high: float | None = Field(None, gt=0)
-    kl_coef: float = Field(0.0, ge=0)
-    entropy_coef: float = Field(0.0, ge=0)
+    kl_coef: float | None = Field(None, ge=0)
+    entropy_coef: float | None = Field(None, ge=0)
     # GPG (arXiv 2504.02546): F_norm = the group's reward std instead of 1 (eq. 6; tab. 1 ablation), the
     # correction alpha = B / (B - M) (eq. 7-8), and eq. 5's token normaliser: each question's tokens ("question")
     # or all tokens of the mini-batch ("batch", the authors' trainer).
-    adv_std_norm: bool = False
-    alpha_correction: bool = True
-    token_norm: Literal["question", "batch"] = "question"
+    adv_std_norm: bool | None = None
+    alpha_correction: bool | None = None
+    token_norm: Literal["question", "batch"] | None = None
     # TRPA (arXiv 2504.04524; values of the authors' main_TRPA.sh): preference-term beta, KTPO anisotropy for
     # pairs won by a correct rollout, trust-region KL(pi_old, pi_theta) coefficient.
-    trpa_beta: float = Field(0.1, gt=0)
-    trpa_anisotropy: float = Field(2.5, gt=0)
-    tr_kl_coef: float = Field(0.001, ge=0)
+    trpa_beta: float | None = Field(None, gt=0)
+    trpa_anisotropy: float | None = Field(None, gt=0)
+    tr_kl_coef: float | None = Field(None, ge=0)
     # Rollout / training log-prob mismatch correction.
     # auto: seq_tis with algorithm.async_rollouts (stale rollouts), none otherwise (RunConfig.rollout_correction).
     rollout_correction: Literal["auto", "none", "seq_tis"] = "auto"
@@ -345,7 +350,7 @@ class RunConfig(_Section):
             self._check_generation_layout()
         if g.max_prompt_tokens + g.max_response_tokens > 10_000_000:
             raise ValueError("generation.max_prompt_tokens + generation.max_response_tokens is implausibly large")
-        if self.loss.name == "grpo_er" and self.loss.entropy_coef == 0:
+        if self.loss.name == "grpo_er" and self.loss.entropy_coef == 0:  # null: the loss's default (> 0)
             raise ValueError("loss.name=grpo_er needs loss.entropy_coef > 0")
         if self.data.val_every and not self.data.val:
             raise ValueError(f"data.val_every={self.data.val_every} needs data.val (a benchmark file)")
@@ -595,8 +600,8 @@ _CONFIG_PATHS: dict[str, tuple[str, str]] = {
     "positive_threshold": ("reward", "positive_threshold"),
     "max_response_tokens": ("generation", "max_response_tokens"),
 }
-# Config values of one loss (family) only: set away from their schema default for a loss that lacks them, they would
-# be silently ignored, so loss_kwargs refuses them.
+# Config values of one loss (family) only: set away from the default of the loss that has them, for a loss that lacks
+# them, they would be silently ignored, so loss_kwargs refuses them.
 _SWITCHES = (
     "kl_coef",
     "entropy_coef",
@@ -610,33 +615,35 @@ _SWITCHES = (
 
 
 def loss_kwargs(cfg: RunConfig) -> dict[str, Any]:
-    """The hyper-parameters the chosen loss takes, read from the run's config.
+    """Every hyper-parameter of the chosen loss: the config's values, the loss's own defaults for the null ones.
 
     From ``cfg.loss`` (its fields of the same name), ``cfg.reward.positive_threshold`` and, for
-    ``dr_grpo``, ``cfg.generation.max_response_tokens``. A hyper-parameter the schema lacks keeps the
-    loss's default.
+    ``dr_grpo``, ``cfg.generation.max_response_tokens``. Validated here, once.
 
     Raises:
         ConfigError: a value of one loss only (``loss.kl_coef``, ``loss.entropy_coef``, GPG's and TRPA's keys) set
-            away from its default for a loss that has no such term, or an invalid value.
+            away from the default of the loss that has it, for a loss that has no such term; or an invalid value.
     """
-    from nemo_disco.losses import get_loss
+    from nemo_disco import losses
 
-    loss = get_loss(cfg.loss.name)
+    loss = losses.get_loss(cfg.loss.name)
     names = [f.name for f in dataclasses.fields(loss.hparams)]
     hp: dict[str, Any] = {}
     for key in names:
         if key in _CONFIG_PATHS:
             section, field = _CONFIG_PATHS[key]
-            hp[key] = getattr(getattr(cfg, section), field)
+            value = getattr(getattr(cfg, section), field)
         elif key in type(cfg.loss).model_fields:
-            hp[key] = getattr(cfg.loss, key)
+            value = getattr(cfg.loss, key)
+        else:
+            continue
+        if value is not None:
+            hp[key] = value
     for key in _SWITCHES:
-        default = type(cfg.loss).model_fields[key].default
-        if key not in names and getattr(cfg.loss, key) != default:
-            raise ConfigError(f"loss.{key}={getattr(cfg.loss, key)} has no effect with loss.name={loss.name}")
+        value = getattr(cfg.loss, key)
+        if key not in names and value is not None and value != losses.default_of(key):
+            raise ConfigError(f"loss.{key}={value} has no effect with loss.name={loss.name}")
     try:
-        loss.params(**hp)
+        return loss.bind(**hp).hyperparameters
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    return hp

@@ -19,6 +19,10 @@ chain rule ``dL/dtheta = sum_i sum_k (dL/dstats[i, k]) * dstats[i, k]/dtheta``, 
 * pass 2: backwards ``surrogate(c[rows], stats(micro-batch))`` per micro-batch and SUMS the gradients
   over micro-batches and ranks (never averages).
 
+Each loss declares how far its coefficients reach (:meth:`Loss.coupling`: one rollout, one question, the whole
+mini-batch); where that is no further than a question, one pass suffices for micro-batches of whole questions
+(:mod:`nemo_disco.update` does both).
+
 Losses are minimised: ``loss = -objective + penalty (+ regularisers)``. Positives are rollouts with
 ``reward > positive_threshold`` (0.5 suits {0, 1} rewards, 0.0 suits {-1, +1}).
 
@@ -69,7 +73,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -79,47 +83,58 @@ from torch import Tensor
 ADV_EPS = 1e-6
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Hyper-parameters: one frozen dataclass per loss family; its fields are exactly the keyword arguments the loss takes.
+# Hyper-parameters: one frozen dataclass per loss family, defined beside its loss; its fields (each with its default
+# and its check) are exactly the keyword arguments the loss takes. The run config leaves a value null to take these
+# defaults (config.loss_kwargs); get_loss binds them once.
 
-_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "positive_threshold": (lambda v: isinstance(v, int | float) and math.isfinite(v), "a finite number"),
-    "kl": (lambda v: v in ("k1", "k3"), "'k1' or 'k3'"),
-    "max_log_ratio": (lambda v: isinstance(v, int | float) and v > 0, "> 0"),
-    "score": (lambda v: v in ("logl", "lratio"), "'logl' or 'lratio'"),
-    "tau": (lambda v: isinstance(v, int | float) and v > 0, "> 0"),
-    "delta": (lambda v: isinstance(v, int | float) and v >= 0, ">= 0"),
-    "beta": (lambda v: isinstance(v, int | float) and v >= 0, ">= 0"),
-    "official_compat": (lambda v: isinstance(v, bool), "a bool"),
-    "divisor": (lambda v: v in ("all", "valid"), "'all' or 'valid'"),
-    "clip_eps": (lambda v: isinstance(v, int | float) and 0 < v < 1, "in (0, 1)"),
-    "clip_eps_high": (lambda v: v is None or (isinstance(v, int | float) and v > 0), "None or > 0"),
-    "kl_coef": (lambda v: isinstance(v, int | float) and v >= 0, ">= 0"),
-    "entropy_coef": (lambda v: isinstance(v, int | float) and v >= 0, ">= 0"),
-    "max_response_tokens": (lambda v: isinstance(v, int) and v >= 1, "an int >= 1"),
-    "adv_std_norm": (lambda v: isinstance(v, bool), "a bool"),
-    "alpha_correction": (lambda v: isinstance(v, bool), "a bool"),
-    "token_norm": (lambda v: v in ("question", "batch"), "'question' or 'batch'"),
-    "trpa_beta": (lambda v: isinstance(v, int | float) and v > 0, "> 0"),
-    "trpa_anisotropy": (lambda v: isinstance(v, int | float) and v > 0, "> 0"),
-    "tr_kl_coef": (lambda v: isinstance(v, int | float) and v >= 0, ">= 0"),
-}
+
+def _number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _integer(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _hp(default: Any, check: Callable[[Any], bool], want: str) -> Any:
+    """A hyper-parameter field: its default and its check (``want`` says what a valid value is)."""
+    return field(default=default, metadata={"check": check, "want": want})
+
+
+def _positive(default: float) -> Any:
+    return _hp(default, lambda v: _number(v) and v > 0, "> 0")
+
+
+def _optional_positive(default: float | None) -> Any:
+    return _hp(default, lambda v: v is None or (_number(v) and v > 0), "None or > 0")
+
+
+def _non_negative(default: float) -> Any:
+    return _hp(default, lambda v: _number(v) and v >= 0, ">= 0")
+
+
+def _flag(default: bool) -> Any:
+    return _hp(default, lambda v: isinstance(v, bool), "a bool")
+
+
+def _choice(default: str, *options: str) -> Any:
+    return _hp(default, lambda v: v in options, " or ".join(repr(o) for o in options))
 
 
 @dataclass(frozen=True)
 class _Hyper:
     """Hyper-parameters every loss takes."""
 
-    positive_threshold: float = 0.5
+    positive_threshold: float = _hp(0.5, _number, "a finite number")
     # Estimator of KL(pi_old || pi_theta): the constraint of DisCO, a monitored metric for the GRPO family.
-    kl: str = "k1"
-    max_log_ratio: float = 20.0
+    kl: str = _choice("k1", "k1", "k3")
+    max_log_ratio: float = _positive(20.0)
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            ok, want = _CHECKS[f.name]
             value = getattr(self, f.name)
-            if not ok(value):
-                raise ValueError(f"{f.name}={value!r} must be {want}")
+            if not f.metadata["check"](value):
+                raise ValueError(f"{f.name}={value!r} must be {f.metadata['want']}")
 
     @property
     def needs_reference(self) -> bool:
@@ -127,93 +142,42 @@ class _Hyper:
         return False
 
 
-@dataclass(frozen=True)
-class DiscoParams(_Hyper):
-    """DisCO (eq. 10-11): score, DRO temperature, KL constraint (eq. 9), compat switch, divisor."""
+# ----------------------------------------------------------------------------------------------------------------------
+# Coupling: how far the coefficients c_i = dL/dstats_i of an objective reach (Loss.coupling).
 
-    score: str = "logl"
-    tau: float = 10.0
-    delta: float = 1e-4
-    beta: float = 1e3
-    official_compat: bool = False
-    divisor: str = "all"
+ROLLOUT, QUESTION, MINIBATCH = "rollout", "question", "minibatch"
+COUPLINGS = (ROLLOUT, QUESTION, MINIBATCH)
 
 
-@dataclass(frozen=True)
-class DiscobParams(_Hyper):
-    """DisCO-b (eq. 7-8): as DisCO without tau."""
+def _rollout_coupled(p: _Hyper, first_update: bool, weighted: bool) -> str:
+    """Linear in each rollout's statistics with coefficients known in advance (GRPO family, DAPO, GPG).
 
-    score: str = "logl"
-    delta: float = 1e-4
-    beta: float = 1e3
-    official_compat: bool = False
-    divisor: str = "all"
+    The advantages come from rewards, the clip is per token, the denominators (N, Q, T_q, T_tot, alpha) and
+    the KL-to-reference and entropy terms are sums of per-rollout statistics; rollout i's weight is its own.
+    """
+    return ROLLOUT
 
 
-@dataclass(frozen=True)
-class ClipParams(_Hyper):
-    """PPO-clipped GRPO family: clip range (clip_eps_high None = symmetric) and KL regulariser to a reference."""
+def _question_coupled(p: _Hyper, first_update: bool, weighted: bool) -> str:
+    """Nonlinear or weight-normalised within a question only (GRPO_RW's weighted means, TRPA's pairs).
 
-    clip_eps: float = 0.2
-    clip_eps_high: float | None = None
-    kl_coef: float = 0.0
-
-    @property
-    def needs_reference(self) -> bool:
-        """The KL regulariser (kl_coef > 0) needs the reference policy's log-probs."""
-        return self.kl_coef > 0
+    TRPA's trust region ``tr_kl_coef * sum_i tr_kl_i / T_tot`` is linear in the statistics: no coupling.
+    """
+    if weighted and getattr(p, "divisor", "all") == "valid":
+        return MINIBATCH  # the divisor counts questions whose weights are > 0, over the whole mini-batch
+    return QUESTION
 
 
-@dataclass(frozen=True)
-class GrpoRwParams(ClipParams):
-    """GRPO_RW (eq. 6): the question average uses the same divisor switch as DisCO."""
+def _constrained_coupling(p: DiscoParams | DiscobParams, first_update: bool, weighted: bool) -> str:
+    """DisCO, DisCO-b: the DRO / mean terms couple one question; the KL hinge couples the whole mini-batch.
 
-    divisor: str = "all"
-
-
-@dataclass(frozen=True)
-class DrGrpoParams(ClipParams):
-    """Dr. GRPO: the constant token-sum normaliser (the generation's max response length)."""
-
-    max_response_tokens: int = 8192
-
-
-@dataclass(frozen=True)
-class DapoParams(_Hyper):
-    """DAPO: clip-higher (eps_low 0.2, eps_high 0.28; DAPO paper §3.1), no KL term."""
-
-    clip_eps: float = 0.2
-    clip_eps_high: float | None = 0.28
-
-
-@dataclass(frozen=True)
-class GrpoErParams(ClipParams):
-    """GRPO-ER: GRPO plus an entropy bonus."""
-
-    entropy_coef: float = 1e-3
-
-
-@dataclass(frozen=True)
-class GpgParams(_Hyper):
-    """GPG (arXiv 2504.02546): F_norm (eq. 6), the correction alpha = B / (B - M) (eq. 7-8), eq. 5's normaliser."""
-
-    adv_std_norm: bool = False
-    alpha_correction: bool = True
-    token_norm: str = "question"
-
-
-@dataclass(frozen=True)
-class TrpaParams(_Hyper):
-    """TRPA (arXiv 2504.04524): preference-term beta, KTPO anisotropy, trust-region KL coefficient (authors' script)."""
-
-    trpa_beta: float = 0.1
-    trpa_anisotropy: float = 2.5
-    tr_kl_coef: float = 1e-3
-
-    @property
-    def needs_reference(self) -> bool:
-        """The preference term is a log-ratio to the reference policy: always."""
-        return True
+    The hinge ``beta [K - delta]_+^2`` (and the authors' ``sg(max(beta (K - delta), 0)) K``) and its gradient
+    are exactly 0 where K = 0 <= delta, i.e. at the first update of a step (pi_theta = pi_old: every token's
+    k1 ``old - new`` and k3 ``expm1(d) - d`` are 0), and everywhere with beta = 0.
+    """
+    if weighted and p.divisor == "valid":
+        return MINIBATCH  # the divisor counts questions whose weights are > 0, over the whole mini-batch
+    return QUESTION if first_update or p.beta == 0 else MINIBATCH
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -230,9 +194,13 @@ class Loss:
         needs_entropy: ``stats`` needs the per-token entropy [N, T].
         needs_reference: ``stats`` needs the reference policy's log-probs [N, T]. For the GRPO family this
             depends on ``kl_coef``: :func:`get_loss` with hyper-parameters (or :meth:`bind`) resolves it.
-        hparams: frozen dataclass whose fields (and defaults) are the hyper-parameters this loss takes.
+        hparams: frozen dataclass whose fields (defaults and checks) are the hyper-parameters this loss takes.
         stats_fn: ``(logprobs, old_logprobs, mask, entropy, ref_logprobs, params) -> [N, K]``.
         objective_fn: ``(stats, group_ids, rewards, weights, params) -> (loss, metrics)``.
+        coupling_fn: ``(params, first_update, weighted) -> ROLLOUT | QUESTION | MINIBATCH``: how far the
+            coefficients ``c_i = dL/dstats_i`` reach (see :meth:`coupling`).
+        bound: the hyper-parameters bound by :func:`get_loss` / :meth:`bind` (validated once); None: defaults.
+            The methods use them; hyper-parameters passed to a method replace them for that call (validated).
     """
 
     name: str
@@ -242,6 +210,8 @@ class Loss:
     hparams: type[_Hyper]
     stats_fn: Callable[..., Tensor]
     objective_fn: Callable[..., tuple[Tensor, dict[str, Tensor | float]]]
+    coupling_fn: Callable[[Any, bool, bool], str]
+    bound: _Hyper | None = None
 
     def params(self, **hp: Any) -> _Hyper:
         """Validate hyper-parameters into this loss's params dataclass.
@@ -259,9 +229,35 @@ class Loss:
             raise ValueError(f"loss {self.name!r}: {err}") from None
 
     def bind(self, **hp: Any) -> Loss:
-        """This loss with ``needs_reference`` resolved for these hyper-parameters (validated)."""
+        """This loss with these hyper-parameters validated and bound (``needs_reference`` resolved for them)."""
         p = self.params(**hp)
-        return replace(self, needs_reference=self.needs_reference or p.needs_reference)
+        return replace(self, needs_reference=self.needs_reference or p.needs_reference, bound=p)
+
+    @property
+    def hyperparameters(self) -> dict[str, Any]:
+        """The bound hyper-parameters (defaults where none were bound), every one of them."""
+        return asdict(self._resolve({}))
+
+    def _resolve(self, hp: dict[str, Any]) -> _Hyper:
+        """The bound hyper-parameters; with ``hp``, those replaced (validated: the trainer never passes any)."""
+        if not hp:
+            return self.bound if self.bound is not None else self.params()
+        return self.params(**({**asdict(self.bound), **hp} if self.bound is not None else hp))
+
+    def coupling(self, *, first_update: bool, weighted: bool, **hp: Any) -> str:
+        """How far this objective couples rollouts, for these hyper-parameters: the rows ``c_i = dL/dstats_i`` reads.
+
+        * ``ROLLOUT``: ``c_i`` depends on rollout i's own statistics only (and on what is known before any
+          forward: group ids, rewards, token counts, its own weight);
+        * ``QUESTION``: on the statistics and weights of rollout i's question;
+        * ``MINIBATCH``: on the statistics of the whole mini-batch.
+
+        ``first_update``: the weights are still pi_old's (the first update of a step), so every KL(pi_old ||
+        pi_theta) estimate is exactly 0. ``weighted``: rollout weights take part; at a one-pass first update the
+        weights of rollouts not yet forwarded are not known. A coupling up to the question lets one forward with
+        gradients give the exact coefficients of a micro-batch of whole questions (:mod:`nemo_disco.update`).
+        """
+        return self.coupling_fn(self._resolve(hp), first_update, weighted)
 
     def stats(
         self,
@@ -283,7 +279,7 @@ class Loss:
             ref_logprobs: [N, T] reference log-probs (only used by the GRPO family's KL regulariser).
             **hp: this loss's hyper-parameters (see ``hparams``); the objective's ones are accepted too.
         """
-        p = self.params(**hp)
+        p = self._resolve(hp)
         _check_tokens(logprobs, old_logprobs, mask, entropy=entropy, ref_logprobs=ref_logprobs)
         if self.needs_entropy and entropy is None:
             raise ValueError(f"loss {self.name!r} needs entropy=[N, T] (per-token entropy of the policy)")
@@ -313,7 +309,7 @@ class Loss:
             weights: [N] float >= 0 rollout weights (rollout correction) or None (all 1).
             **hp: this loss's hyper-parameters.
         """
-        p = self.params(**hp)
+        p = self._resolve(hp)
         n = stats.shape[0]
         if stats.dim() != 2 or stats.shape[1] != len(self.stat_names):
             raise ValueError(f"loss {self.name!r}: stats must be [N, {len(self.stat_names)}], got {list(stats.shape)}")
@@ -353,14 +349,23 @@ class Loss:
 
 
 def get_loss(name: str, **hp: Any) -> Loss:
-    """The registered loss ``name``; with hyper-parameters, validated and bound (``needs_reference`` resolved).
+    """The registered loss ``name`` with its hyper-parameters validated and bound once (defaults for the rest).
+
+    ``loss(logprobs, old_logprobs, mask, group_ids, rewards, entropy=, ref_logprobs=, weights=)`` then returns
+    ``(value, metrics)``; its ``stats`` / ``objective`` / ``coupling`` and :func:`coefficients` use the bound values.
 
     Raises:
         ValueError: unknown name (the message lists the valid names) or invalid hyper-parameters.
     """
     if name not in LOSSES:
         raise ValueError(f"unknown loss {name!r}; valid names: {', '.join(LOSSES)}")
-    return LOSSES[name].bind(**hp) if hp else LOSSES[name]
+    return LOSSES[name].bind(**hp)
+
+
+def default_of(key: str) -> Any:
+    """The default of hyper-parameter ``key`` in the losses that take it (None where they disagree or none does)."""
+    values = {repr(f.default): f.default for loss in LOSSES.values() for f in fields(loss.hparams) if f.name == key}
+    return next(iter(values.values())) if len(values) == 1 else None
 
 
 def coefficients(
@@ -651,6 +656,30 @@ def _masked_sum(x: Tensor, m: Tensor) -> Tensor:
 # ----------------------------------------------------------------------------------------------------------------------
 # DisCO / DisCO-b: score statistics.
 
+
+@dataclass(frozen=True)
+class DiscoParams(_Hyper):
+    """DisCO (eq. 10-11): score, DRO temperature, KL constraint (eq. 9), compat switch, divisor."""
+
+    score: str = _choice("logl", "logl", "lratio")
+    tau: float = _positive(10.0)
+    delta: float = _non_negative(1e-4)
+    beta: float = _non_negative(1e3)
+    official_compat: bool = _flag(False)
+    divisor: str = _choice("all", "all", "valid")
+
+
+@dataclass(frozen=True)
+class DiscobParams(_Hyper):
+    """DisCO-b (eq. 7-8): as DisCO without tau."""
+
+    score: str = _choice("logl", "logl", "lratio")
+    delta: float = _non_negative(1e-4)
+    beta: float = _non_negative(1e3)
+    official_compat: bool = _flag(False)
+    divisor: str = _choice("all", "all", "valid")
+
+
 SCORE_STATS = ("score", "kl_sum", "tokens", "clamped")
 
 
@@ -773,6 +802,50 @@ def discob_objective(
 
 # ----------------------------------------------------------------------------------------------------------------------
 # GRPO family: clipped-ratio statistics.
+
+
+@dataclass(frozen=True)
+class ClipParams(_Hyper):
+    """PPO-clipped GRPO family: clip range (clip_eps_high None = symmetric) and KL regulariser to a reference."""
+
+    clip_eps: float = _hp(0.2, lambda v: _number(v) and 0 < v < 1, "in (0, 1)")
+    clip_eps_high: float | None = _optional_positive(None)
+    kl_coef: float = _non_negative(0.0)
+
+    @property
+    def needs_reference(self) -> bool:
+        """The KL regulariser (kl_coef > 0) needs the reference policy's log-probs."""
+        return self.kl_coef > 0
+
+
+@dataclass(frozen=True)
+class GrpoRwParams(ClipParams):
+    """GRPO_RW (eq. 6): the question average uses the same divisor switch as DisCO."""
+
+    divisor: str = _choice("all", "all", "valid")
+
+
+@dataclass(frozen=True)
+class DrGrpoParams(ClipParams):
+    """Dr. GRPO: the constant token-sum normaliser (the generation's max response length)."""
+
+    max_response_tokens: int = _hp(8192, lambda v: _integer(v) and v >= 1, "an int >= 1")
+
+
+@dataclass(frozen=True)
+class DapoParams(_Hyper):
+    """DAPO: clip-higher (eps_low 0.2, eps_high 0.28; DAPO paper §3.1), no KL term."""
+
+    clip_eps: float = _hp(0.2, lambda v: _number(v) and 0 < v < 1, "in (0, 1)")
+    clip_eps_high: float | None = _optional_positive(0.28)
+
+
+@dataclass(frozen=True)
+class GrpoErParams(ClipParams):
+    """GRPO-ER: GRPO plus an entropy bonus."""
+
+    entropy_coef: float = _non_negative(1e-3)
+
 
 CLIP_STATS = ("pos_sum", "neg_sum", "tokens", "clip_high", "clip_low", "kl_sum", "clamped", "ref_kl_sum", "ref_clamped")
 
@@ -1001,6 +1074,16 @@ def _clip_stats_with_entropy(
 # ----------------------------------------------------------------------------------------------------------------------
 # GPG: plain policy gradient on the summed token log-likelihood.
 
+
+@dataclass(frozen=True)
+class GpgParams(_Hyper):
+    """GPG (arXiv 2504.02546): F_norm (eq. 6), the correction alpha = B / (B - M) (eq. 7-8), eq. 5's normaliser."""
+
+    adv_std_norm: bool = _flag(False)
+    alpha_correction: bool = _flag(True)
+    token_norm: str = _choice("question", "question", "batch")
+
+
 GPG_STATS = ("logp_sum", "tokens", "kl_sum", "clamped")
 
 
@@ -1099,6 +1182,21 @@ def gpg_objective(
 
 # ----------------------------------------------------------------------------------------------------------------------
 # TRPA: pairwise preference term on log-ratios to the reference, trust-region KL to pi_old.
+
+
+@dataclass(frozen=True)
+class TrpaParams(_Hyper):
+    """TRPA (arXiv 2504.04524): preference-term beta, KTPO anisotropy, trust-region KL coefficient (authors' script)."""
+
+    trpa_beta: float = _positive(0.1)
+    trpa_anisotropy: float = _positive(2.5)
+    tr_kl_coef: float = _non_negative(1e-3)
+
+    @property
+    def needs_reference(self) -> bool:
+        """The preference term is a log-ratio to the reference policy: always."""
+        return True
+
 
 TRPA_STATS = ("ref_log_ratio", "tr_kl_sum", "tokens", "kl_sum", "clamped")
 
@@ -1199,29 +1297,33 @@ def _registered(
     stat_names: tuple[str, ...],
     stats_fn: Callable[..., Tensor],
     objective_fn: Callable[..., tuple[Tensor, dict[str, Tensor | float]]],
+    coupling_fn: Callable[[Any, bool, bool], str],
     *,
     needs_entropy: bool = False,
 ) -> Loss:
     # needs_reference as the registry defaults want it (the GRPO family's kl_coef = 0: no; TRPA: always);
     # get_loss(name, **hp) resolves it for other hyper-parameters.
-    return Loss(name, stat_names, needs_entropy, hparams().needs_reference, hparams, stats_fn, objective_fn)
+    return Loss(
+        name, stat_names, needs_entropy, hparams().needs_reference, hparams, stats_fn, objective_fn, coupling_fn
+    )
 
 
 LOSSES: dict[str, Loss] = {
-    "disco": _registered("disco", DiscoParams, SCORE_STATS, score_stats, disco_objective),
-    "discob": _registered("discob", DiscobParams, SCORE_STATS, score_stats, discob_objective),
-    "grpo": _registered("grpo", ClipParams, CLIP_STATS, clip_stats, grpo_objective),
-    "grpo_rw": _registered("grpo_rw", GrpoRwParams, CLIP_STATS, clip_stats, grpo_rw_objective),
-    "dr_grpo": _registered("dr_grpo", DrGrpoParams, CLIP_STATS, clip_stats, dr_grpo_objective),
-    "dapo": _registered("dapo", DapoParams, CLIP_STATS, clip_stats, dapo_objective),
+    "disco": _registered("disco", DiscoParams, SCORE_STATS, score_stats, disco_objective, _constrained_coupling),
+    "discob": _registered("discob", DiscobParams, SCORE_STATS, score_stats, discob_objective, _constrained_coupling),
+    "grpo": _registered("grpo", ClipParams, CLIP_STATS, clip_stats, grpo_objective, _rollout_coupled),
+    "grpo_rw": _registered("grpo_rw", GrpoRwParams, CLIP_STATS, clip_stats, grpo_rw_objective, _question_coupled),
+    "dr_grpo": _registered("dr_grpo", DrGrpoParams, CLIP_STATS, clip_stats, dr_grpo_objective, _rollout_coupled),
+    "dapo": _registered("dapo", DapoParams, CLIP_STATS, clip_stats, dapo_objective, _rollout_coupled),
     "grpo_er": _registered(
         "grpo_er",
         GrpoErParams,
         CLIP_STATS + ("entropy_sum",),
         _clip_stats_with_entropy,
         grpo_er_objective,
+        _rollout_coupled,
         needs_entropy=True,
     ),
-    "gpg": _registered("gpg", GpgParams, GPG_STATS, gpg_stats, gpg_objective),
-    "trpa": _registered("trpa", TrpaParams, TRPA_STATS, trpa_stats, trpa_objective),
+    "gpg": _registered("gpg", GpgParams, GPG_STATS, gpg_stats, gpg_objective, _rollout_coupled),
+    "trpa": _registered("trpa", TrpaParams, TRPA_STATS, trpa_stats, trpa_objective, _question_coupled),
 }

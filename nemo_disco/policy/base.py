@@ -39,6 +39,14 @@ class Policy(Protocol):
         """
         ...
 
+    def microbatch_rows(self, batch: RolloutBatch) -> list[torch.Tensor]:
+        """Row indices [n] of the micro-batches :meth:`train_minibatch` runs ``batch`` in, in order.
+
+        A question's rollouts (adjacent rows of equal ``group_ids``) share a micro-batch wherever they fit its
+        token budget: a loss that couples only a question's rollouts then needs one pass (``nemo_disco.update``).
+        """
+        ...
+
     def train_minibatch(
         self,
         batch: RolloutBatch,

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from nemo_disco import distributed, weights
-from nemo_disco.batch import RolloutBatch
+from nemo_disco.batch import RolloutBatch, pack_questions
 from nemo_disco.config import RunConfig
 from nemo_disco.policy.base import SurrogateFn
 from nemo_disco.policy.schedule import lr_at
@@ -23,10 +23,15 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def microbatches(batch: RolloutBatch, max_tokens: int) -> list[torch.Tensor]:
-    """Row indices of consecutive micro-batches of at most ``max_tokens`` padded tokens (at least one row each)."""
+    """Row indices of consecutive micro-batches of at most ``max_tokens`` padded tokens (at least one row each).
+
+    A question's rollouts (a run of equal ``group_ids``) stay in one micro-batch wherever they fit the budget
+    together, so that a loss coupling only the rollouts of a question is exact in one pass
+    (:mod:`nemo_disco.update`); a question that does not fit alone is split row by row.
+    """
     width = batch.prompt_ids.shape[1] + batch.response_ids.shape[1]
     rows = max(1, max_tokens // max(width, 1))
-    return [torch.arange(s, min(s + rows, len(batch))) for s in range(0, len(batch), rows)]
+    return pack_questions(batch.group_ids, lambda start, stop: stop - start <= rows)
 
 
 def response_logprobs(
@@ -114,6 +119,10 @@ class HFPolicy:
         )
         return response_logprobs(out.logits, on_device, self.temperature, entropy)
 
+    def microbatch_rows(self, batch: RolloutBatch) -> list[torch.Tensor]:
+        """Row indices of the micro-batches :meth:`train_minibatch` runs ``batch`` in (see ``Policy``)."""
+        return microbatches(batch, self.cfg.policy.microbatch_tokens)
+
     @torch.no_grad()
     def logprobs(self, batch: RolloutBatch, *, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-token log-probs (and entropy) of ``batch.response_ids``, [N, R] float32 on CPU."""
@@ -139,7 +148,7 @@ class HFPolicy:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         total = 0.0
-        for rows in microbatches(batch, self.cfg.policy.microbatch_tokens):
+        for rows in self.microbatch_rows(batch):
             lp, ent = self._forward(batch.select(rows), entropy)
             loss = surrogate_fn(rows, lp, ent)
             loss.backward()

@@ -73,7 +73,7 @@ from typing import Any, Literal
 import torch
 
 from nemo_disco import distributed, weights
-from nemo_disco.batch import RolloutBatch
+from nemo_disco.batch import RolloutBatch, pack_questions
 from nemo_disco.config import RunConfig
 from nemo_disco.policy import cpu_compat
 from nemo_disco.policy.base import SurrogateFn
@@ -657,25 +657,16 @@ def split_microbatches(batch: RolloutBatch, max_tokens: int, packed: bool) -> li
     """Consecutive row groups whose model input fits ``max_tokens`` tokens (at least one row each).
 
     Padded layout: rows x (longest prompt + longest response) of the group; packed: the sum of real lengths.
+    A question's rollouts stay together wherever they fit (``batch.pack_questions``; nemo_disco.update).
     """
     p_len, r_len = _row_lengths(batch)
-    groups: list[list[int]] = []
-    cur: list[int] = []
-    max_p = max_r = total = 0
-    for i in range(len(batch)):
-        p, r = int(p_len[i]), int(r_len[i])
+
+    def fits(start: int, stop: int) -> bool:
         if packed:
-            fits = total + p + r <= max_tokens
-        else:
-            fits = (len(cur) + 1) * (max(max_p, p) + max(max_r, r)) <= max_tokens
-        if cur and not fits:
-            groups.append(cur)
-            cur, max_p, max_r, total = [], 0, 0, 0
-        cur.append(i)
-        max_p, max_r, total = max(max_p, p), max(max_r, r), total + p + r
-    if cur:
-        groups.append(cur)
-    return [torch.tensor(g, dtype=torch.long) for g in groups]
+            return int((p_len[start:stop] + r_len[start:stop]).sum()) <= max_tokens
+        return (stop - start) * (int(p_len[start:stop].max()) + int(r_len[start:stop].max())) <= max_tokens
+
+    return pack_questions(batch.group_ids, fits)
 
 
 def _prepare(
@@ -1082,8 +1073,12 @@ class MegatronPolicy:
     # ------------------------------------------------------------------------------------------------------------------
     # Forward / backward through the schedules.
 
+    def microbatch_rows(self, batch: RolloutBatch) -> list[torch.Tensor]:
+        """Row indices of the micro-batches :meth:`train_minibatch` runs ``batch`` in (see ``Policy``)."""
+        return split_microbatches(batch, self.cfg.policy.microbatch_tokens, self.packed)
+
     def _microbatches(self, batch: RolloutBatch) -> list[_MicroBatch]:
-        groups = split_microbatches(batch, self.cfg.policy.microbatch_tokens, self.packed)
+        groups = self.microbatch_rows(batch)
         multiple = self.tp if self.tf_config.sequence_parallel else 1
         mbs = [_prepare(batch, rows, self.packed, self.device, multiple) for rows in groups]
         if self.ep > 1:

@@ -1,9 +1,12 @@
-"""Data-parallel exactness of nemo_disco.losses: 2 gloo processes == one full batch, for every loss.
+"""Data-parallel exactness of the update unit (nemo_disco.update): 2 gloo processes == one full batch, every loss.
 
-Each rank holds half of the rollouts, split so that every question with two or more rollouts has rollouts on
-both ranks. Pass 1: local stats (no grad) -> all_gather -> coefficients on the gathered mini-batch. Pass 2:
-local surrogate backward over micro-batches of 2 rollouts; all_reduce SUM of the gradients. The result must
-equal the gradient of the full-batch loss within 1e-10 (float64), with and without rollout weights.
+Each rank holds half of the mini-batch (contiguous rows, as the trainer's ``_dp_slice``) in two layouts: every
+question whole on one rank, and questions cut by the rank boundary. The unit runs on each rank (one pass where
+``update.plan`` allows it, and always two passes: local statistics, all-gather, coefficients, surrogate); the
+gradients are summed over ranks (all_reduce SUM through nemo_disco.distributed). The result must equal the
+gradient of the full-batch loss within 1e-10 (float64), at a first and a later update, with and without rollout
+weights. The harness (a float64 model behind the Policy protocol, the full-batch reference) is
+``tests/unit/test_update.py``'s.
 """
 
 from __future__ import annotations
@@ -17,79 +20,58 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from procs import free_port
 
-from nemo_disco import losses
+from nemo_disco import losses, update
 
-REFERENCE = Path(__file__).resolve().parents[1] / "unit" / "test_losses.py"
+HARNESS = Path(__file__).resolve().parents[1] / "unit" / "test_update.py"
 WORLD = 2
 
 
-def _reference():
-    spec = importlib.util.spec_from_file_location("_loss_reference", REFERENCE)
+def _harness():
+    spec = importlib.util.spec_from_file_location("_update_harness", HARNESS)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def _check_all_losses(rank: int) -> int:
-    """Run every loss variant, weighted and not; return the number of checks made."""
-    ref = _reference()
-    pol, c = ref.policy_case(seed=13)
-    keep = torch.nonzero(c["gids"] != 3).squeeze(1)  # drop the singleton question: 18 rollouts, 9 per rank
-    gids, rewards, mask = c["gids"][keep], c["rewards"][keep], c["mask"][keep]
-    old, ref_lp = pol.old[keep], pol.ref[keep]
-    gen = old + 0.4 * torch.randn(old.shape, generator=torch.Generator().manual_seed(14), dtype=old.dtype)
-    tis, _ = losses.rollout_weights(old, gen, mask, mode="seq_tis", cap=1.5)
-    # Rows sorted by question, dealt alternately: a question's rollouts straddle the ranks.
-    order = torch.argsort(gids, stable=True)
-    shards = [order[r::WORLD] for r in range(WORLD)]
-    local = shards[rank]
-    gathered_rows = torch.cat(shards)  # the all_gather order (rank order)
-    for q in gids.unique():
-        on = [bool((gids[s] == q).any()) for s in shards]
-        assert int((gids == q).sum()) < 2 or all(on), f"question {int(q)} does not straddle the ranks"
-    checks = 0
-    for name, hp in ref.VARIANTS:
-        hp = {**hp, "positive_threshold": c["threshold"]}
-        fn = losses.get_loss(name, **hp)
-        for weights in (None, tis):
-            # Full batch on one process (the reference).
-            lp, ent = pol.forward(keep, ref.T_MAX)
-            full_loss, _ = fn(lp, old, mask, gids, rewards, entropy=ent, ref_logprobs=ref_lp, weights=weights, **hp)
-            (full,) = torch.autograd.grad(full_loss, pol.w)
-            # Pass 1: local stats without grad, gathered over ranks.
-            with torch.no_grad():
-                lp_l, ent_l = pol.forward(keep[local], ref.T_MAX)
-                st_l = fn.stats(lp_l, old[local], mask[local], entropy=ent_l, ref_logprobs=ref_lp[local], **hp)
-            parts = [torch.empty_like(st_l) for _ in range(WORLD)]
-            dist.all_gather(parts, st_l)
-            w_rows = None if weights is None else weights[gathered_rows]
-            coeffs, value, _ = losses.coefficients(
-                fn, torch.cat(parts), gids[gathered_rows], rewards[gathered_rows], weights=w_rows, **hp
-            )
-            assert abs(value - full_loss.item()) <= 1e-12, (name, hp, value, full_loss.item())
-            c_local = coeffs[rank * len(local) : (rank + 1) * len(local)]
-            # Pass 2: micro-batches of 2 local rollouts, each at its own padding width; gradients summed.
-            grad = torch.zeros_like(pol.w)
-            for j in torch.arange(len(local)).split(2):
-                rows = local[j]
-                width = int(mask[rows].sum(1).max())
-                lp_mb, ent_mb = pol.forward(keep[rows], width)
-                st = fn.stats(
-                    lp_mb,
-                    old[rows, :width],
-                    mask[rows, :width],
-                    entropy=ent_mb,
-                    ref_logprobs=ref_lp[rows, :width],
-                    **hp,
-                )
-                (g,) = torch.autograd.grad(losses.surrogate(c_local[j], st), pol.w)
-                grad += g
-            dist.all_reduce(grad, op=dist.ReduceOp.SUM)
-            err = float((grad - full).abs().max())
-            assert err <= 1e-10, f"rank {rank}: {name} {hp} weighted={weights is not None}: max |diff| = {err:.3e}"
-            assert float(full.abs().max()) > 1e-3
-            checks += 1
-    return checks
+def _check_all_losses(rank: int) -> tuple[int, int]:
+    """Run every loss variant in every layout; return (checks made, one-pass checks among them)."""
+    h = _harness()
+    pol, batch, threshold = h.case()
+    # Questions (sorted by id) 3, 5, 7, 11, 19, 42 of 1, 2, 5, 3, 4, 4 rollouts. Without question 11: 16 rows,
+    # halves of whole questions (3, 5, 7 | 19, 42). Without question 3: 18 rows, the halves cut question 11.
+    layouts = {
+        "whole": batch.select(torch.nonzero(batch.group_ids != 11).squeeze(1)),
+        "split": batch.select(torch.nonzero(batch.group_ids != 3).squeeze(1)),
+    }
+    checks = one_pass = 0
+    for layout_name, sub in layouts.items():
+        n = len(sub)
+        cut_whole = not bool(torch.isin(sub.group_ids[: n // 2], sub.group_ids[n // 2 :]).any())
+        assert cut_whole == (layout_name == "whole")
+        rows = slice(rank * n // 2, (rank + 1) * n // 2)
+        for name, hp in h.ref.VARIANTS:
+            hp = {**hp, "positive_threshold": threshold}
+            fn = losses.get_loss(name, **hp)
+            for first in (True, False):
+                for corr in h.CORRECTIONS.values():
+                    full, value, _, _, _ = h.full_batch_gradient(pol, sub, fn, hp, first=first, correction=corr)
+                    policy = h.TinyModelPolicy(pol, "3mb", rank, WORLD)
+                    pl = update.plan(policy, fn, sub, sub.select(rows), rows, first_update=first, correction=corr)
+                    coupling = fn.coupling(first_update=first, weighted=corr.weighted, **hp)
+                    if coupling == losses.QUESTION:
+                        assert pl.passes == (1 if layout_name == "whole" else 2), (name, hp, layout_name)
+                    for passes in sorted({2, pl.passes}):
+                        g, res, _ = h.run_update(
+                            pol, sub, fn, hp, "3mb", first=first, correction=corr, passes=passes, rows=rows,
+                            dp=(rank, WORLD),
+                        )  # fmt: skip
+                        err = float((g - full).abs().max())
+                        tag = f"rank {rank} {layout_name} {name} {hp} first={first} {corr} passes={passes}"
+                        assert err <= 1e-10, f"{tag}: max |diff| = {err:.3e}"
+                        assert abs(res.metrics["loss"] - value) <= 1e-12, (tag, res.metrics["loss"], value)
+                        checks += 1
+                        one_pass += passes == 1
+    return checks, one_pass
 
 
 def _worker(rank: int, port: int) -> None:
@@ -102,13 +84,15 @@ def _worker(rank: int, port: int) -> None:
         timeout=datetime.timedelta(seconds=120),
     )
     try:
-        checks = _check_all_losses(rank)
-        total = torch.tensor([checks])
+        checks, one_pass = _check_all_losses(rank)
+        total = torch.tensor([checks, one_pass])
         dist.all_reduce(total)
-        assert int(total) == WORLD * 2 * len(_reference().VARIANTS)
+        # Every (layout, variant, update index, correction) ran two passes; where the plan allowed, one pass too.
+        assert int(total[0]) - int(total[1]) == WORLD * 2 * 2 * 2 * len(_harness().ref.VARIANTS)
+        assert int(total[1]) > 0
     finally:
         dist.destroy_process_group()
 
 
-def test_data_parallel_gradient_equals_full_batch() -> None:
+def test_data_parallel_update_equals_full_batch() -> None:
     mp.spawn(_worker, args=(free_port(),), nprocs=WORLD, join=True)

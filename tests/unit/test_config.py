@@ -95,7 +95,6 @@ def test_nested_defaults(tmp_path):
         ("reward.timeout_s=0", "reward.timeout_s=0"),
         ("checkpoint.keep_last=0", "checkpoint.keep_last=0"),
         ("data.on_bad_row=ignore", "data.on_bad_row='ignore'"),
-        ("loss.name=grpo_er", "loss.name=grpo_er needs loss.entropy_coef > 0"),
         ("data.val_every=5", "data.val_every=5 needs data.val"),
         ("policy.expert_parallel_size=3", "policy.expert_parallel_size=3 must divide the ranks of a pipeline stage"),
         ("policy.router_dtype=bfloat16", "policy.router_dtype='bfloat16'"),
@@ -112,6 +111,13 @@ def test_every_validation_rule_names_the_key(override, fragment):
     msg = str(err.value)
     assert fragment in msg
     assert "\n" not in msg
+
+
+def test_grpo_er_takes_its_entropy_bonus_from_the_loss_unless_set_to_zero():
+    # The exemplar leaves loss.entropy_coef null: GRPO-ER's own default (0.001) applies; an explicit 0 is refused.
+    assert config.loss_kwargs(config.load(EXEMPLAR, ["loss.name=grpo_er"]))["entropy_coef"] == 1e-3
+    with pytest.raises(ConfigError, match="loss.name=grpo_er needs loss.entropy_coef > 0"):
+        config.load(EXEMPLAR, ["loss.name=grpo_er", "loss.entropy_coef=0"])
 
 
 def test_data_parallel_must_divide_minibatch_rollouts():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -1018,7 +1019,7 @@ def test_reference_and_entropy_requirements() -> None:
 def test_loss_kwargs_from_config(name: str) -> None:
     cfg = config_lib.validate(
         {
-            "loss": {"name": name, "tau": 2.0, "entropy_coef": 0.01 if name == "grpo_er" else 0.0},
+            "loss": {"name": name, "tau": 2.0, "entropy_coef": 0.01 if name == "grpo_er" else None},
             "reward": {"positive_threshold": 0.0},
             "generation": {"max_response_tokens": 4096},
         }
@@ -1056,18 +1057,22 @@ def test_loss_kwargs_rejects_terms_the_loss_lacks() -> None:
     assert config_lib.loss_kwargs(config_lib.validate({"loss": {"name": "disco"}}))["tau"] == 10.0
 
 
-def test_function_defaults_match_the_config_schema() -> None:
-    # The typed schema is where defaults live; the pure functions' own defaults must agree with it, except
-    # the two that define a loss: DAPO's clip-higher 0.28 and GRPO-ER's entropy bonus (the schema requires a
-    # value > 0 for grpo_er and leaves clip_eps_high null for the symmetric GRPO clip).
-    from nemo_disco.config import GenerationConfig, RewardConfig
+def test_loss_defaults_live_beside_the_loss_only():
+    # The schema holds no default of its own for a loss hyper-parameter: null means the loss's default, so
+    # loss.name=dapo gets DAPO's clip-higher and grpo_er its entropy bonus without the recipe that sets them.
+    from nemo_disco.config import AlgorithmConfig
 
-    exempt = {("dapo", "clip_eps_high"), ("grpo_er", "entropy_coef")}
-    schema = {k: f.default for k, f in LossConfig.model_fields.items()}
-    schema["positive_threshold"] = RewardConfig.model_fields["positive_threshold"].default
-    schema["max_response_tokens"] = GenerationConfig.model_fields["max_response_tokens"].default
-    for name, fn in losses.LOSSES.items():
-        for f in dataclasses.fields(fn.hparams):
-            if (name, f.name) in exempt or f.name not in schema:
-                continue
-            assert f.default == schema[f.name], (name, f.name)
+    for key, f in LossConfig.model_fields.items():
+        if key not in ("name", "rollout_correction", "rollout_correction_cap"):
+            assert f.default is None, key
+    assert "minibatch_prompts" in AlgorithmConfig.model_fields  # (the schema is still where other defaults live)
+    exemplar = config_lib.load(Path(__file__).resolve().parents[2] / "recipes" / "disco.yaml")
+    for name, key, expected in (("dapo", "clip_eps_high", 0.28), ("grpo", "clip_eps_high", None),
+                                ("grpo_er", "entropy_coef", 1e-3), ("disco", "tau", 10.0)):  # fmt: skip
+        cfg = config_lib.validate({**exemplar.model_dump(mode="json"), "loss": {"name": name}})
+        assert config_lib.loss_kwargs(cfg)[key] == expected, (name, key)
+        cfg = config_lib.validate(
+            {**exemplar.model_dump(mode="json"), "loss": {**exemplar.loss.model_dump(), "name": name}}
+        )
+        assert config_lib.loss_kwargs(cfg)[key] == expected, (name, key, "on the exemplar's loss section")
+    assert losses.get_loss("dapo").hyperparameters["clip_eps_high"] == 0.28
