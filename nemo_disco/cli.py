@@ -383,10 +383,15 @@ def _convert(args: argparse.Namespace) -> int:
         shutil.rmtree(tmp)
     from nemo_disco import convert
 
-    if args.from_hf:
-        convert.hf_to_megatron(args.from_hf, tmp, tp=args.tp or 1, pp=args.pp or 1)
-    else:
-        convert.checkpoint_to_hf(args.checkpoint, tmp)
+    try:
+        if args.from_hf:
+            convert.hf_to_megatron(args.from_hf, tmp, tp=args.tp or 1, pp=args.pp or 1)
+        else:
+            convert.checkpoint_to_hf(args.checkpoint, tmp)
+    except BaseException:
+        if main_rank:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if distributed.rank() == 0 and main_rank:
         files.replace_folder(tmp, out)
         print(f"wrote {out}")

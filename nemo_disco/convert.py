@@ -260,7 +260,20 @@ def megatron_to_hf(checkpoint_dir: str | Path, out_dir: str | Path, config: RunC
     mp.init_parallel(1, 1, ep=1 if spec.is_moe else None)
     tf_config = mp.transformer_config(spec, tp=1, pp=1, dtype=dtype, use_te=False, recompute=False)
     model = mp.build_gpt_model(spec, tf_config, int(meta["padded_vocab_size"]), use_te=False)
-    mp.load_model_checkpoint(model, policy_dir / "model")
+    try:
+        mp.load_model_checkpoint(model, policy_dir / "model")
+    except (ValueError, KeyboardInterrupt, SystemExit):
+        raise
+    # A truncated or changed file of a checkpoint without a manifest: torch's CheckpointException (a
+    # BaseException) wrapping the EOFError / UnpicklingError of each rank.
+    except BaseException as err:
+        err = next(iter(getattr(err, "failures", {}).values()), err)
+        err = err[0] if isinstance(err, tuple) and err else err
+        text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise ValueError(
+            f"checkpoint {policy_dir} cannot be read: {type(err).__name__}{': ' + text[:200] if text else ''} "
+            "(damaged or incomplete)"
+        ) from None
     # Own contiguous copies: the q / k / v (and gate / up) views share storage, which safetensors refuses.
     state = {
         name: t.detach().to("cpu").clone(memory_format=torch.contiguous_format)
