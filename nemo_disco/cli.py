@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from nemo_disco import config as config_lib
+from nemo_disco.data import DEFAULT_TEMPLATE
 
 EXIT_USAGE = 2
 
@@ -31,7 +32,7 @@ def _train(args: argparse.Namespace) -> int:
         return 0
     from nemo_disco import files
 
-    files.check_writable(cfg.logging.run_dir, "logging.run_dir")
+    files.check_writable(cfg.logging.run_dir, "logging.run_dir", create=False)  # created once the sources load
     _check_sources(cfg)
     from nemo_disco import algorithm, checkpoint
 
@@ -164,7 +165,9 @@ def _bootstrap_kwargs(args: argparse.Namespace) -> dict:
 
 
 def _add_bootstrap_flags(p: argparse.ArgumentParser, what: str = "intervals", paired: bool = False) -> None:
-    p.add_argument("--bootstrap", type=int, default=2000, help=f"bootstrap replicates of the {what} (0: none)")
+    p.add_argument(
+        "--bootstrap", type=int, default=2000, help=f"bootstrap replicates of the {what} (0: none; default: 2000)"
+    )
     p.add_argument("--bootstrap-seed", type=int, default=0, help="bootstrap seed (fixed: the same table every time)")
     if paired:
         p.add_argument(
@@ -283,6 +286,8 @@ def _eval(args: argparse.Namespace) -> int:
             max_problems=args.max_problems,
             max_prompt_tokens=args.max_prompt_tokens,
             chat_template_kwargs=_chat_template_kwargs(args.chat_template_kwargs),
+            template=args.prompt_template,
+            use_chat_template=not args.no_chat_template,
             timeout_s=args.timeout,
             workers=args.workers,
             tensor_parallel_size=args.tp,
@@ -480,6 +485,16 @@ def build_parser() -> argparse.ArgumentParser:
         "chunk has its own seed, so another value draws other responses (default: %(default)s)",
     )
     e.add_argument(
+        "--prompt-template",
+        default=DEFAULT_TEMPLATE,
+        help="prompt template with {problem}, like data.prompt_template in training (default: the paper's)",
+    )
+    e.add_argument(
+        "--no-chat-template",
+        action="store_true",
+        help="do not wrap prompts in the tokenizer's chat template (data.use_chat_template=false in training)",
+    )
+    e.add_argument(
         "--chat-template-kwargs",
         default=None,
         help="chat-template variables as a JSON object, like data.chat_template_kwargs in training "
@@ -516,14 +531,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     dp.add_argument("source", help="deepscaler | dapo-math-17k | hub id | local file or folder")
     dp.add_argument("--out", required=True, help="JSONL to write (point data.train at it)")
-    dp.add_argument("--split", default="train")
+    dp.add_argument("--split", default="train", help="dataset split of a hub source (default: %(default)s)")
     dp.add_argument("--problem-column", help="column of the problem (dotted for structs; default: recognised)")
     dp.add_argument(
         "--answer-column", help="column of the answer, e.g. reward_model.ground_truth (default: recognised)"
     )
     dp.add_argument("--keep-duplicates", action="store_true", help="keep repeated problems")
     dp.add_argument("--no-answer-check", action="store_true", help="skip checking answers with the grader")
-    dp.add_argument("--grader", choices=["math_verify", "deepscaler"], default="math_verify")
+    dp.add_argument(
+        "--grader",
+        choices=["math_verify", "deepscaler"],
+        default="math_verify",
+        help="grader of the answer check (default: %(default)s)",
+    )
     dp.add_argument("--workers", type=int, default=2, help="grading processes of the answer check")
     dp.add_argument("--timeout", type=float, default=5.0, help="grading limit per answer (seconds)")
     dp.add_argument(

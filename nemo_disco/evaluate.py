@@ -831,6 +831,13 @@ def load_results(path: str | os.PathLike) -> list[dict[str, Any]]:
     return records
 
 
+def _benchmark_problems(name_or_path: str) -> list[Any]:
+    """A benchmark's problems: a shipped name, a file, or a synthetic task (the CPU demo's held-out split)."""
+    text = str(name_or_path)
+    problems, _ = load_problems(text if text.startswith("synthetic:") else resolve_benchmark(text))
+    return problems
+
+
 def _benchmark_key(name_or_path: str) -> str:
     """The name records use for a benchmark: the name itself, or a file's stem."""
     return name_or_path if name_or_path in BENCHMARKS else Path(name_or_path).stem
@@ -892,7 +899,7 @@ def grade_responses_file(
             bench = records[i]["benchmark"]
             if bench not in answers:
                 source = sources[bench] if sources is not None else bench
-                problems, _ = load_problems(resolve_benchmark(source))
+                problems = _benchmark_problems(source)
                 answers[bench] = {p.index: p.answer for p in problems}
             idx = records[i]["problem_index"]
             if idx not in answers[bench]:
@@ -1225,7 +1232,7 @@ def evaluate_model(
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     sets = []
     for bench in benchmarks:
-        problems, _ = load_problems(resolve_benchmark(bench))
+        problems = _benchmark_problems(bench)
         problems = problems[:max_problems] if max_problems else problems
         ids, kept, dropped = encode_prompts(
             tokenizer,

@@ -69,13 +69,19 @@ def test_a_demo_checkpoint_converts_and_evaluates(run, tmp_path):
         f"nemo-disco convert: error: {hf} is not empty: pass --overwrite to replace it, or choose another --out"
     )
     assert _cli("convert", "--checkpoint", str(step), "--out", str(hf), "--overwrite").returncode == 0
+    # The README's command for the demo's model (its task, its prompt format), on a few problems, plus one
+    # shipped benchmark (the list written with a space after the comma).
     out = tmp_path / "eval"
-    proc = _cli("eval", "--model", str(hf), "--backend", "hf", "--benchmarks", "math, aime", "--samples", "2",
-                "--max-problems", "3", "--max-tokens", "8", "--chunk-problems", "2", "--out", str(out))  # fmt: skip
+    proc = _cli("eval", "--model", str(hf), "--backend", "hf", "--benchmarks", "synthetic:arithmetic-heldout, aime",
+                "--prompt-template", "{problem}=", "--no-chat-template", "--samples", "2", "--temperature", "1.0",
+                "--top-p", "1.0", "--max-tokens", "12", "--max-problems", "3", "--chunk-problems", "2",
+                "--out", str(out))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (out / "responses.jsonl").read_text().splitlines()]
-    assert len(records) == 2 * 3 * 2 and {r["benchmark"] for r in records} == {"math", "aime"}
-    assert "| math | 3 | 2 |" in proc.stdout and f"results: {out}/responses.jsonl" in proc.stdout
+    assert len(records) == 2 * 3 * 2 and {r["benchmark"] for r in records} == {"synthetic:arithmetic-heldout", "aime"}
+    assert (
+        "| synthetic:arithmetic-heldout | 3 | 2 |" in proc.stdout and f"results: {out}/responses.jsonl" in proc.stdout
+    )
     assert "problems 2-2: 2 responses graded and written; 2/4 chunks" in proc.stderr  # progress, per chunk
 
 
