@@ -98,3 +98,57 @@ def test_a_damaged_checkpoint_is_refused_in_one_line(run, tmp_path):
     assert not (tmp_path / "hf").exists() and not list(tmp_path.glob(".hf*"))
     proc = _cli("convert", "--checkpoint", str(step), "--out", str(tmp_path / "hf"), "--tp", "2")
     assert proc.returncode == 2 and "--tp / --pp go with --from-hf only" in proc.stderr
+
+
+def test_a_checkpoint_without_tokenizer_files_takes_the_runs_initial_model(run, tmp_path):
+    """Checkpoints written before the tokenizer was saved with them: convert finds it where the run started."""
+    from nemo_disco import checkpoint
+
+    old = run / "checkpoints" / "step_1000"  # a step of this run, as an older version wrote it
+    subprocess.run(["cp", "-r", str(run / "checkpoints" / "step_2"), str(old)], check=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (old / "policy" / name).unlink(missing_ok=True)
+    checkpoint.write_manifest(old, 1000)
+    try:
+        proc = _cli("convert", "--checkpoint", str(old), "--out", str(tmp_path / "hf"))
+    finally:
+        subprocess.run(["rm", "-rf", str(old)], check=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (run / "init_model" / "tokenizer.json").read_bytes()
+
+
+def test_a_killed_evaluation_continues_to_the_uninterrupted_result(tiny_qwen2, tmp_path):
+    """SIGKILL part-way (nothing to clean up, a line may be cut short), rerun: the written chunks are reused."""
+    import signal
+    import time
+
+    args = ["eval", "--model", str(tiny_qwen2), "--backend", "hf", "--benchmarks", "math,aime", "--samples", "2",
+            "--temperature", "1.0", "--max-tokens", "24", "--max-problems", "15", "--chunk-problems", "1",
+            "--workers", "1", "--bootstrap", "100"]  # fmt: skip
+    env = {**os.environ, **THREADS}
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "nemo_disco.cli", *args, "--out", str(out)], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.monotonic() + 300
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            parts = list((out / "partial").glob("part-*.jsonl"))
+            if parts and len(parts[0].read_text().splitlines()) >= 4:  # two chunks written
+                break
+            time.sleep(0.02)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert not (out / "responses.jsonl").exists(), "finished before it could be killed: make the run longer"
+    written = len((out / "partial" / "part-0.jsonl").read_text().splitlines())
+    assert 4 <= written < 2 * 15 * 2
+    rerun = _cli(*args, "--out", str(out))
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"resuming the evaluation in {out}: " in rerun.stderr
+    generated = rerun.stderr.count("responses graded and written")
+    assert generated <= 30 - written // 2  # only the chunks not written before (2 records per chunk)
+    plain = _cli(*args, "--out", str(tmp_path / "plain"))
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert plain.stderr.count("responses graded and written") == 30
+    assert (out / "responses.jsonl").read_text() == (tmp_path / "plain" / "responses.jsonl").read_text()
+    assert (out / "summary.json").read_text() == (tmp_path / "plain" / "summary.json").read_text()
