@@ -1297,7 +1297,9 @@ def evaluate_model(
     writer = tp_rank == 0
     part_file = out / EVAL_PARTIAL / f"part-{engine}.jsonl"
     longest = max((len(p) for _, _, ids in sets for p in ids), default=0)
-    own = generator is None and bool(mine)
+    # Every process builds its engine, even one with no chunk left to it: vLLM's external launcher creates its
+    # process groups collectively over the whole job.
+    own = generator is None and bool(todo)
     if own:
         generator = _build_generator(model_dir, backend, longest + max_tokens, seed, tensor_parallel_size)
     sampling = SamplingParams(
