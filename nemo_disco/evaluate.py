@@ -34,9 +34,12 @@ import json
 import logging
 import math
 import os
+import shutil
 import sys
+import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from contextlib import nullcontext
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -1087,8 +1090,6 @@ def _prepare_out(out: Path, settings: dict[str, Any], overwrite: bool) -> None:
         OutputError: ``out`` cannot be written; it holds a finished result and not ``overwrite``; it holds an
             interrupted evaluation with other settings and not ``overwrite``. One line each.
     """
-    import shutil
-
     from nemo_disco.files import OutputError, check_writable
 
     check_writable(out, "--out folder")
@@ -1205,9 +1206,6 @@ def evaluate_model(
             tried), bad benchmark names, files or settings, an ``out_dir`` that cannot be written or holds
             another evaluation.
     """
-    import dataclasses
-    import time
-
     from transformers import AutoTokenizer
 
     from nemo_disco import distributed
@@ -1312,9 +1310,9 @@ def evaluate_model(
     who = f"engine {engine + 1}/{engines}: " if engines > 1 else ""
     start = time.monotonic()
     try:
-        with GraderPool(grader, timeout_s=timeout_s, workers=workers) if writer and mine else _nothing() as pool:
+        with GraderPool(grader, timeout_s=timeout_s, workers=workers) if writer and mine else nullcontext() as pool:
             for n, chunk in enumerate(mine, 1):
-                chunk_sampling = dataclasses.replace(sampling, seed=chunk_seed(seed, chunk.benchmark, chunk.index))
+                chunk_sampling = replace(sampling, seed=chunk_seed(seed, chunk.benchmark, chunk.index))
                 rollouts = generator.generate(chunk.prompt_ids, samples, chunk_sampling)  # [P][samples]
                 if not writer:
                     continue
@@ -1352,18 +1350,8 @@ def evaluate_model(
         raise RuntimeError(f"{out / EVAL_PARTIAL}: chunks {missing[:3]} are missing after generation")
     records = [r for c in chunks for r in complete[c.key]]
     summary = write_results(records, out, replicates=replicates, seed=bootstrap_seed, resample_samples=resample_samples)
-    import shutil
-
     shutil.rmtree(out / EVAL_PARTIAL, ignore_errors=True)
     return summary
-
-
-class _nothing:  # noqa: N801 - a context manager standing in for GraderPool on processes that do not grade
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def _graded(chunk: _Chunk, rollouts: list[list[Any]], tokenizer: Any, pool: Any, samples: int) -> list[dict]:
