@@ -731,6 +731,9 @@ def trainer_model(root: Path, smoke: bool) -> Path:
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.config.dtype = "float32" if smoke else "bfloat16"
     model.save_pretrained(out, safe_serialization=True)
+    from nemo_disco.files import honour_umask_tree
+
+    honour_umask_tree(out)
     return out
 
 

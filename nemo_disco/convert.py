@@ -26,9 +26,11 @@ import torch
 
 from nemo_disco import distributed, weights
 from nemo_disco.config import RunConfig, load_resolved
+from nemo_disco.files import TOKENIZER_FILES, save_safetensors
 from nemo_disco.policy import cpu_compat
 from nemo_disco.policy import megatron as mp
 
+HF_POLICY_STATE = "policy_state.json"
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -50,24 +52,35 @@ def hf_to_megatron(
 ) -> Path:
     """Convert an HF folder into a Megatron policy directory (weights only, update counter 0).
 
+    Megatron's distributed checkpoints store every tensor globally, so the result loads at any TP / PP: ``tp``
+    and ``pp`` are the layout the checkpoint is meant for (recorded in ``megatron.json``; the vocabulary is
+    padded for ``tp``). When the processes running the conversion do not form that layout (one process, the
+    usual case: ``nemo-disco convert --from-hf DIR --tp 2``), the tensors are written from a TP 1 x PP 1 model:
+    the same checkpoint, no launcher needed. Under torchrun with a multiple of ``tp x pp`` processes each rank
+    converts only its shard.
+
     Args:
         hf_dir: Hugging Face folder (config.json, safetensors, tokenizer).
         out_dir: the policy directory to write (replaced if it exists).
-        tp: tensor-parallel size used for the conversion (the result loads at any TP / PP).
-        pp: pipeline-parallel size used for the conversion.
+        tp: tensor-parallel size the checkpoint is meant for (it loads at any TP / PP).
+        pp: pipeline-parallel size the checkpoint is meant for.
         dtype: parameter dtype stored ("float32", "bfloat16", "float16"); default: the HF config's.
         vocab_multiple: vocabulary padding multiple (see ``weights.padded_vocab_size``).
 
     Returns:
         ``out_dir``.
     """
+    if tp < 1 or pp < 1:
+        raise ValueError(f"--tp {tp} --pp {pp}: both must be >= 1")
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     spec = weights.ModelSpec.from_dir(hf_dir)
     dtype = dtype or _hf_dtype(json.loads((hf_dir / "config.json").read_text()))
     cpu_compat.apply()
-    mp.init_parallel(tp, pp, ep=1 if spec.is_moe else None)
+    world = distributed.read_env().world_size
+    run_tp, run_pp = (tp, pp) if world % (tp * pp) == 0 else (1, 1)  # the layout the processes can form
+    mp.init_parallel(run_tp, run_pp, ep=1 if spec.is_moe else None)
     padded = weights.padded_vocab_size(spec.vocab_size, tp, vocab_multiple)
-    config = mp.transformer_config(spec, tp=tp, pp=pp, dtype=mp._DTYPES[dtype], use_te=False, recompute=False)
+    config = mp.transformer_config(spec, tp=run_tp, pp=run_pp, dtype=mp._DTYPES[dtype], use_te=False, recompute=False)
     model = mp.build_gpt_model(spec, config, padded, use_te=False)
     mp.load_hf_weights(model, hf_dir, spec, padded)
     if distributed.rank() == 0:
@@ -84,6 +97,7 @@ def hf_to_megatron(
             "padded_vocab_size": padded,
             "vocab_multiple": vocab_multiple,
             "layer_spec": "local",
+            "written_at": {"tensor_parallel_size": run_tp, "pipeline_parallel_size": run_pp},
         }
         mp.write_policy_files(out_dir, hf_dir, meta)
     distributed.barrier()
@@ -103,6 +117,127 @@ def find_policy_dir(checkpoint_dir: str | Path) -> Path:
     raise ValueError(f"{path}: neither it nor {path / 'policy'} is a Megatron policy directory (no megatron.json)")
 
 
+def is_hf_policy_dir(path: str | Path) -> bool:
+    """Whether ``path`` is a policy directory written by the transformers policy (``policy.backend=hf``)."""
+    state = Path(path) / HF_POLICY_STATE
+    if not state.is_file():
+        return False
+    try:
+        return json.loads(state.read_text()).get("backend") == "hf"
+    except (json.JSONDecodeError, AttributeError):
+        return False
+
+
+def verify_checkpoint(checkpoint_dir: str | Path) -> None:
+    """Check a step checkpoint against its manifest, as a resume does (a policy directory alone has none).
+
+    Raises:
+        ValueError: a missing, truncated or changed file; one line naming the checkpoint and the first problems.
+    """
+    from nemo_disco import checkpoint
+
+    path = Path(checkpoint_dir)
+    step = path.parent if path.name == "policy" and (path.parent / "trainer_state.json").is_file() else path
+    if not (step / "trainer_state.json").is_file():
+        return  # a bare policy directory (hf_to_megatron's output): nothing to check against
+    problems, _ = checkpoint.verify(step)
+    if problems:
+        more = f" (and {len(problems) - 2} more)" if len(problems) > 2 else ""
+        raise ValueError(f"checkpoint {step} is damaged: {'; '.join(problems[:2])}{more}; convert another step")
+
+
+def checkpoint_to_hf(
+    checkpoint_dir: str | Path, out_dir: str | Path, config: RunConfig | None = None, *, verify: bool = True
+) -> Path:
+    """Write a Hugging Face folder from any checkpoint a run writes, whatever its policy backend.
+
+    ``<run>/checkpoints/step_N`` (or its ``policy/``) of a Megatron run goes through :func:`megatron_to_hf`; one
+    of a transformers-policy run (``policy.backend=hf``, the CPU demo) through :func:`hf_policy_to_hf`. The
+    checkpoint is verified against its manifest first (``verify``).
+
+    Raises:
+        ValueError: not a checkpoint of either kind, or a damaged one (one line naming it).
+    """
+    path = Path(checkpoint_dir)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint folder not found: {path}")
+    if verify:
+        verify_checkpoint(path)
+    for candidate in (path / "policy", path):
+        if mp.is_checkpoint_dir(candidate):
+            return megatron_to_hf(candidate, out_dir, config)
+        if is_hf_policy_dir(candidate):
+            return hf_policy_to_hf(candidate, out_dir, config)
+    raise ValueError(
+        f"{path}: neither it nor {path / 'policy'} is a policy checkpoint (no megatron.json of the Megatron policy, "
+        f"no {HF_POLICY_STATE} of the transformers policy)"
+    )
+
+
+def _run_config(policy_dir: Path) -> RunConfig | None:
+    """The resolved ``config.yaml`` saved next to ``policy/`` in a step checkpoint, if any."""
+    if policy_dir.name == "policy" and (policy_dir.parent / "config.yaml").is_file():
+        return load_resolved(policy_dir.parent / "config.yaml")
+    return None
+
+
+def tokenizer_source(policy_dir: Path, config: RunConfig | None) -> Path:
+    """Where a checkpoint's tokenizer files are.
+
+    The checkpoint itself (the policies save them with every checkpoint), else, for a checkpoint written before
+    they did, the model the run started from: ``policy.model_path``, or ``<run>/init_model`` for a model built
+    in code.
+
+    Raises:
+        ValueError: none of these holds tokenizer files (the places tried are named).
+    """
+    tried = [policy_dir]
+    if config is not None:
+        if config.policy.model_path is not None:
+            tried.append(Path(config.policy.model_path).expanduser())
+        step = policy_dir.parent
+        tried.append(step.parent.parent / "init_model")  # <run>/checkpoints/step_N -> <run>/init_model
+        tried.append(Path(config.logging.run_dir) / "init_model")
+    for folder in tried:
+        if any((folder / name).is_file() for name in TOKENIZER_FILES if name != "generation_config.json"):
+            return folder
+    raise ValueError(
+        f"{policy_dir}: no tokenizer files in the checkpoint, nor where the run started "
+        f"(tried {', '.join(str(t) for t in tried)})"
+    )
+
+
+def hf_policy_to_hf(policy_dir: str | Path, out_dir: str | Path, config: RunConfig | None = None) -> Path:
+    """Write a Hugging Face folder from a transformers-policy checkpoint (``policy.backend=hf``).
+
+    The weights are the policy's own safetensors (copied, mode from the umask); ``config.json`` and the
+    tokenizer files come with them, and ``generation_config.json`` carries the run's sampling as
+    :func:`megatron_to_hf` writes it. The optimizer state is left out.
+    """
+    policy_dir, out_dir = Path(policy_dir), Path(out_dir)
+    if config is None:
+        config = _run_config(policy_dir)
+    weights_files = sorted(policy_dir.glob("*.safetensors")) + sorted(policy_dir.glob("*.safetensors.index.json"))
+    if not weights_files or not (policy_dir / "config.json").is_file():
+        raise ValueError(f"{policy_dir}: a transformers-policy checkpoint without config.json or *.safetensors")
+    tokenizer_dir = tokenizer_source(policy_dir, config)
+    if distributed.rank() == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for f in weights_files:
+            shutil.copyfile(f, out_dir / f.name)  # a new file: the umask's mode, not the source's
+        shutil.copyfile(policy_dir / "config.json", out_dir / "config.json")
+        for name in TOKENIZER_FILES:
+            if (tokenizer_dir / name).is_file() and name != "generation_config.json":
+                shutil.copyfile(tokenizer_dir / name, out_dir / name)
+        hf_config = json.loads((policy_dir / "config.json").read_text())
+        source = policy_dir if (policy_dir / "generation_config.json").is_file() else tokenizer_dir
+        (out_dir / "generation_config.json").write_text(
+            json.dumps(_generation_config(source, hf_config, config), indent=2) + "\n"
+        )
+    distributed.barrier()
+    return out_dir
+
+
 def megatron_to_hf(checkpoint_dir: str | Path, out_dir: str | Path, config: RunConfig | None = None) -> Path:
     """Write a Hugging Face folder from a Megatron checkpoint.
 
@@ -115,19 +250,30 @@ def megatron_to_hf(checkpoint_dir: str | Path, out_dir: str | Path, config: RunC
     Returns:
         ``out_dir``.
     """
-    from safetensors.torch import save_file
-
     policy_dir = find_policy_dir(checkpoint_dir)
     meta = mp.read_checkpoint_meta(policy_dir)
-    if config is None and (policy_dir.parent / "config.yaml").is_file() and policy_dir.name == "policy":
-        config = load_resolved(policy_dir.parent / "config.yaml")
+    if config is None:
+        config = _run_config(policy_dir)
     spec = weights.ModelSpec.from_dir(policy_dir)
     dtype = mp._DTYPES[meta["dtype"]]
     cpu_compat.apply()
     mp.init_parallel(1, 1, ep=1 if spec.is_moe else None)
     tf_config = mp.transformer_config(spec, tp=1, pp=1, dtype=dtype, use_te=False, recompute=False)
     model = mp.build_gpt_model(spec, tf_config, int(meta["padded_vocab_size"]), use_te=False)
-    mp.load_model_checkpoint(model, policy_dir / "model")
+    try:
+        mp.load_model_checkpoint(model, policy_dir / "model")
+    except (ValueError, KeyboardInterrupt, SystemExit):
+        raise
+    # A truncated or changed file of a checkpoint without a manifest: torch's CheckpointException (a
+    # BaseException) wrapping the EOFError / UnpicklingError of each rank.
+    except BaseException as err:
+        err = next(iter(getattr(err, "failures", {}).values()), err)
+        err = err[0] if isinstance(err, tuple) and err else err
+        text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise ValueError(
+            f"checkpoint {policy_dir} cannot be read: {type(err).__name__}{': ' + text[:200] if text else ''} "
+            "(damaged or incomplete)"
+        ) from None
     # Own contiguous copies: the q / k / v (and gate / up) views share storage, which safetensors refuses.
     state = {
         name: t.detach().to("cpu").clone(memory_format=torch.contiguous_format)
@@ -136,12 +282,12 @@ def megatron_to_hf(checkpoint_dir: str | Path, out_dir: str | Path, config: RunC
     out_dir = Path(out_dir)
     if distributed.rank() == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
-        save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        save_safetensors(state, out_dir / "model.safetensors", metadata={"format": "pt"})
         hf_config = json.loads((policy_dir / "config.json").read_text())
         hf_config["dtype"] = _DTYPE_NAMES[dtype]
         hf_config.pop("torch_dtype", None)
         (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-        for name in mp.TOKENIZER_FILES:
+        for name in TOKENIZER_FILES:
             if (policy_dir / name).is_file() and name != "generation_config.json":
                 shutil.copyfile(policy_dir / name, out_dir / name)
         (out_dir / "generation_config.json").write_text(

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from nemo_disco import files
 from nemo_disco.config import TinyModelConfig
 
 log = logging.getLogger(__name__)
@@ -127,6 +128,7 @@ def build_model(tiny: TinyModelConfig, out_dir: str | Path, seed: int = 0, hf_ov
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
     model.save_pretrained(out, safe_serialization=True)
+    files.honour_umask_tree(out)
     return out
 
 
@@ -243,6 +245,7 @@ def warm_up(model_dir: str | Path, problems: list, cfg, eval_problems: list | No
         if measure is not None:
             measure.close()
     model.save_pretrained(model_dir, safe_serialization=True)
+    files.honour_umask_tree(model_dir)
     (Path(model_dir) / "warmup.json").write_text(json.dumps(result.to_json(), indent=1) + "\n")
     (log.info if result.status in ("fixed", "in_band") else log.warning)(result.message)
     return result

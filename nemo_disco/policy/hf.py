@@ -8,12 +8,13 @@ reference policy): no optimizer, no gradients.
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-from nemo_disco import distributed, weights
+from nemo_disco import distributed, files, weights
 from nemo_disco.batch import RolloutBatch, pack_questions
 from nemo_disco.config import RunConfig
 from nemo_disco.policy.base import SurrogateFn
@@ -189,12 +190,20 @@ class HFPolicy:
             yield name, p.detach()
 
     def save(self, directory: Path) -> None:
-        """Weights (HF folder: config + safetensors), optimizer state and the update counter (rank 0 writes)."""
+        """Weights (HF folder: config + safetensors), optimizer state and the update counter (rank 0 writes).
+
+        The tokenizer files of the model the policy was built from are saved with them, so the checkpoint's
+        ``policy/`` is a complete Hugging Face folder (``nemo-disco convert --checkpoint`` exports it).
+        """
         if self.dp_rank != 0:
             return
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(directory, safe_serialization=True)
+        files.honour_umask_tree(directory)
+        for name in files.TOKENIZER_FILES:
+            if (self.model_dir / name).is_file():
+                shutil.copyfile(self.model_dir / name, directory / name)
         torch.save(self.optimizer.state_dict(), directory / "optimizer.pt")
         (directory / "policy_state.json").write_text(json.dumps({"updates": self.updates, "backend": "hf"}))
 

@@ -72,7 +72,7 @@ from typing import Any, Literal
 
 import torch
 
-from nemo_disco import distributed, weights
+from nemo_disco import distributed, files, weights
 from nemo_disco.batch import RolloutBatch, pack_questions
 from nemo_disco.config import RunConfig
 from nemo_disco.policy import cpu_compat
@@ -83,17 +83,7 @@ from nemo_disco.policy.schedule import lr_at
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CHECKPOINT_META = "megatron.json"
 CHECKPOINT_FORMAT = "nemo_disco.megatron/1"
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "generation_config.json",
-)
+TOKENIZER_FILES = files.TOKENIZER_FILES  # copied next to the weights, so a checkpoint is a complete model
 
 
 log = logging.getLogger(__name__)

@@ -8,6 +8,9 @@ Scenarios (``--scenario``):
               gradient is compared with transformers'.
   checkpoint  TP2 (x --ep) train / save / second update; re-initialise at TP1 x DP2, load, compare; convert
               both ways.
+  converted   --models HF_DIR CONVERTED: a checkpoint that `nemo-disco convert --from-hf --tp N` wrote in ONE
+              process, loaded at TP --tp: weights bit-exact, log-probs equal transformers' and those of the HF
+              folder loaded directly at the same TP.
   single      one process without torchrun (a one-rank gloo group is created): activation checkpointing,
               offload / onload, micro-batch and chunk invariance.
   router      one process, a MoE model: the reported load-balancing loss and the gradient of the optional one
@@ -322,6 +325,23 @@ def scenario_checkpoint(args: argparse.Namespace, world: int, rank: int) -> dict
     c = MegatronPolicy(make_cfg(world, pp=2, **moe_over(model_dir, 1)), out / "converted")
     res["converted_at_pp2"] = round_trip(c, model_dir)
     res["converted_updates"] = c.updates
+    return res
+
+
+def scenario_converted(args: argparse.Namespace, world: int, rank: int) -> dict:
+    from nemo_disco.policy.megatron import MegatronPolicy
+
+    model_dir, converted = Path(args.models[0]), Path(args.models[1])
+    batch = make_batch()
+    ref = hf_reference(model_dir, batch)
+    policy = MegatronPolicy(make_cfg(world, tp=args.tp), converted)
+    res: dict = round_trip(policy, model_dir)
+    lp, _ = policy.logprobs(batch)
+    res.update(tp=policy.tp, padded_vocab=policy.padded_vocab, lp_diff=float((lp - ref["lp"]).abs().max()))
+    del policy
+    direct = MegatronPolicy(make_cfg(world, tp=args.tp), model_dir)
+    lp_direct, _ = direct.logprobs(batch)
+    res["lp_vs_direct_diff"] = float((lp - lp_direct).abs().max())
     return res
 
 
@@ -850,7 +870,7 @@ def main() -> None:
     parser.add_argument(
         "--scenario",
         required=True,
-        choices=["parallel", "checkpoint", "single", "router", "gpu", "gpu_rules", "placement"],
+        choices=["parallel", "checkpoint", "converted", "single", "router", "gpu", "gpu_rules", "placement"],
     )
     parser.add_argument("--models", nargs="+", required=True)
     parser.add_argument("--out", required=True)
@@ -864,6 +884,7 @@ def main() -> None:
     fn = {
         "parallel": scenario_parallel,
         "checkpoint": scenario_checkpoint,
+        "converted": scenario_converted,
         "single": scenario_single,
         "router": scenario_router,
         "gpu": scenario_gpu,

@@ -213,7 +213,7 @@ def test_refuses_to_run_outside_slurm(script):
 @pytest.mark.parametrize(
     ("script", "args"),
     [
-        ("slurm/eval.sbatch", ["--model", "runs/x/hf", "--benchmarks", "aime,math", "--samples", "16"]),
+        ("slurm/eval.sbatch", ["--model", "owner/model", "--benchmarks", "aime,math", "--samples", "16"]),
         ("slurm/convert.sbatch", ["--checkpoint", "runs/x/checkpoints/step_20", "--out", "runs/x/hf dir"]),
     ],
 )
@@ -223,6 +223,25 @@ def test_thin_scripts_pass_arguments_through(script, args):
     command = shlex.split(done.stdout.split("command: ", 1)[1].splitlines()[0])
     sub = "eval" if "eval" in script else "convert"
     assert command[0] == "srun" and command[-len(args) - 3 :] == ["-m", "nemo_disco.cli", sub, *args]
+
+
+def test_eval_checks_the_model_and_starts_one_process_per_gpu(tmp_path):
+    model = tmp_path / "hf"
+    for args, message in [
+        (["--model", "runs/none/hf"], "--model runs/none/hf: no such folder (from "),
+        (["--model", str(tmp_path)], f"--model {tmp_path} has no config.json: not a Hugging Face model folder"),
+    ]:
+        done = _run("slurm/eval.sbatch", *args, NEMO_DISCO_DRY_RUN="1", SLURM_GPUS_ON_NODE="8")
+        assert done.returncode == 2, done.stderr
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"eval.sbatch: error: {message}"), lines
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    done = _run("slurm/eval.sbatch", "--model", str(model), "--tp", "2", NEMO_DISCO_DRY_RUN="1", SLURM_GPUS_ON_NODE="8")
+    assert done.returncode == 0, done.stderr
+    command = shlex.split(done.stdout.split("command: ", 1)[1].splitlines()[0])
+    assert command[:4] == ["srun", "--nodes=1", "--ntasks=8", "--ntasks-per-node=8"]
+    assert "RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID" in " ".join(command)
 
 
 def _path_without_scontrol(tmp_path: Path) -> str:

@@ -481,3 +481,114 @@ def test_models_that_cannot_be_loaded_give_one_line(tmp_path, capsys, monkeypatc
     assert err.count("\n") == 1
     assert err.startswith("nemo-disco eval: error: cannot load model 'nemo-disco-test/no-such-model': no folder ")
     assert "tried the Hugging Face hub through the local Hugging Face cache only (HF_HUB_OFFLINE is set)" in err
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Written as it goes: an interrupted evaluation continues; output errors are one line
+
+
+class _StopAfter:
+    """The real HFGenerator, with Ctrl-C arriving during its generate call number ``stop_at`` (1-based)."""
+
+    def __init__(self, inner, stop_at: int | None = None) -> None:
+        self.inner, self.stop_at, self.calls = inner, stop_at, 0
+
+    def generate(self, prompt_token_ids, n, sampling):  # noqa: ANN001, ANN201
+        self.calls += 1
+        if self.calls == self.stop_at:
+            raise KeyboardInterrupt
+        return self.inner.generate(prompt_token_ids, n, sampling)
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _arith_bench(tmp_path):
+    bench = tmp_path / "arith.json"
+    rows = [{"problem": f"{a}+{b}", "answer": a + b} for a in range(1, 4) for b in range(1, 3)]  # 6 problems
+    bench.write_text(json.dumps(rows))
+    return bench
+
+
+def test_interrupted_evaluation_continues_to_the_uninterrupted_result(tiny_qwen2, tmp_path, capsys):
+    from nemo_disco.generation.hf import HFGenerator
+
+    bench = _arith_bench(tmp_path)
+    kwargs = dict(samples=2, temperature=1.0, top_p=1.0, max_tokens=6, backend="hf", template="{problem}=",
+                  workers=1, chunk_problems=2, replicates=50)  # fmt: skip
+    generator = HFGenerator(tiny_qwen2)
+    # 2 benchmarks x 3 chunks of 2 problems; Ctrl-C during the 4th chunk (the first of the second benchmark).
+    stopped = _StopAfter(generator, stop_at=4)
+    with pytest.raises(KeyboardInterrupt):
+        evaluate_model(tiny_qwen2, [str(bench), "aime"], out_dir=tmp_path / "resumed", generator=stopped,
+                       max_problems=6, **kwargs)  # fmt: skip
+    assert "interrupted: the responses written so far are kept in" in capsys.readouterr().err
+    partial = tmp_path / "resumed" / "partial"
+    written = [json.loads(line) for f in partial.glob("part-*.jsonl") for line in f.read_text().splitlines()]
+    assert len(written) == 3 * 2 * 2  # three whole chunks (2 problems x 2 samples each), nothing of the 4th
+    assert not (tmp_path / "resumed" / RESPONSES_FILE).exists()
+    # A cut-short last line (a kill in the middle of a write) is skipped, not fatal.
+    with (partial / "part-0.jsonl").open("a") as f:
+        f.write('{"benchmark": "aime", "problem_in')
+    # A rerun with other settings is refused in one line, naming the setting.
+    with pytest.raises(ValueError, match=r"holds an interrupted evaluation with samples=2 \(this command: 3\)"):
+        evaluate_model(tiny_qwen2, [str(bench), "aime"], out_dir=tmp_path / "resumed", generator=stopped,
+                       max_problems=6, **{**kwargs, "samples": 3})  # fmt: skip
+    counted = _StopAfter(generator)
+    resumed = evaluate_model(tiny_qwen2, [str(bench), "aime"], out_dir=tmp_path / "resumed", generator=counted,
+                             max_problems=6, **kwargs)  # fmt: skip
+    assert "resuming the evaluation in" in capsys.readouterr().err
+    assert counted.calls == 3  # only the 3 chunks not written before
+    plain = evaluate_model(tiny_qwen2, [str(bench), "aime"], out_dir=tmp_path / "plain",
+                           generator=_StopAfter(generator), max_problems=6, **kwargs)  # fmt: skip
+    assert (tmp_path / "resumed" / RESPONSES_FILE).read_text() == (tmp_path / "plain" / RESPONSES_FILE).read_text()
+    assert resumed.to_dict() == plain.to_dict()
+    assert not partial.exists()  # merged into responses.jsonl
+    # A finished result is not overwritten silently.
+    with pytest.raises(ValueError, match=rf"^{tmp_path / 'plain'} already holds an evaluation .*--overwrite"):
+        evaluate_model(tiny_qwen2, [str(bench)], out_dir=tmp_path / "plain", generator=counted, **kwargs)
+    again = evaluate_model(tiny_qwen2, [str(bench), "aime"], out_dir=tmp_path / "plain",
+                           generator=_StopAfter(generator), max_problems=6, overwrite=True, **kwargs)  # fmt: skip
+    assert again.to_dict() == plain.to_dict()  # seeded per chunk: the same responses
+
+
+def test_chunk_seeds_depend_on_benchmark_and_chunk_only():
+    from nemo_disco.evaluate import chunk_seed
+
+    seeds = {chunk_seed(0, b, k) for b in ("aime", "math") for k in range(50)}
+    assert len(seeds) == 100 and all(0 <= s < 2**31 for s in seeds)
+    assert chunk_seed(0, "math", 3) == chunk_seed(0, "math", 3) != chunk_seed(1, "math", 3)
+
+
+def test_output_folders_that_cannot_be_written_fail_in_one_line(tiny_qwen2, tmp_path, capsys):
+    """Every command that writes: exit code 2 and one line naming the path, before any work.
+
+    Root ignores permission bits, so the unwritable place is below a regular file (ENOTDIR for everyone).
+    """
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("x")
+    bad = blocker / "out"
+    recipe = str(ROOT / "recipes" / "tiny-cpu.yaml")
+    commands = {
+        "train": ["train", "--config", recipe, f"logging.run_dir={bad}"],
+        "convert": ["convert", "--from-hf", str(tiny_qwen2), "--out", str(bad)],
+        "eval": ["eval", "--model", str(tiny_qwen2), "--backend", "hf", "--benchmarks", "aime", "--out", str(bad)],
+        "data prepare": ["data", "prepare", "deepscaler", "--out", str(bad / "d.jsonl")],
+        "plot": ["plot", str(tmp_path), "--out", str(bad / "curves.png")],
+    }
+    for name, argv in commands.items():
+        assert cli.main(argv) == 2, name
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"nemo-disco {name}: error: cannot write"), (name, err)
+        assert str(bad) in err[0] and str(blocker) in err[0], (name, err)
+
+
+def test_benchmark_lists_accept_spaces_and_version(tmp_path, capsys):
+    assert cli._names(" aime, math ,,amc") == ["aime", "math", "amc"]
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["--version"])
+    assert stop.value.code == 0 and capsys.readouterr().out.startswith("nemo-disco 0.")
+    help_text = cli.build_parser()._subparsers._group_actions[0].choices["eval"].format_help()
+    for flag in ("--samples", "--temperature", "--top-p", "--max-tokens", "--backend", "--grader", "--seed", "--out"):
+        assert flag in help_text
+    assert help_text.count("default:") >= 12
