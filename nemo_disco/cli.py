@@ -468,6 +468,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"nemo-disco {command}: error: {err}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
+        # Ctrl-C before training's own handler is up, or a second Ctrl-C during a step or a save: no new checkpoint.
+        stopped = "stopped without a new checkpoint (the next start resumes from the newest complete one)"
+        print(
+            f"nemo-disco {args.command}: interrupted (Ctrl-C): {stopped if args.command == 'train' else 'stopped'}",
+            file=sys.stderr,
+        )
         return 130
 
 

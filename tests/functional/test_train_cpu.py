@@ -247,3 +247,81 @@ def test_warm_up_to_a_target_then_the_summary_with_standard_errors(tmp_path):
     assert demo["problems"] == 32 and demo["samples"] == 4 and demo["warmup"] == warmup
     assert f"before RL (step 0): {vals[0]['pass@1']:.3f} +- {vals[0]['pass@1_se']:.3f}" in res.stdout
     assert "held-out pass@1 on 32 problems x 4 samples" in res.stdout
+
+
+def _start(run: Path, *overrides: str) -> subprocess.Popen:
+    """A training run in a session of its own (a terminal's Ctrl-C signals the whole foreground group)."""
+    cmd = [sys.executable, "-m", "nemo_disco.cli", "train", "--config", str(RECIPE), f"logging.run_dir={run}"]
+    return subprocess.Popen(
+        cmd + FAST_TINY + list(overrides),
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _wait_for_metrics(run: Path, proc: subprocess.Popen) -> None:
+    deadline = time.time() + 600
+    while time.time() < deadline and not ((run / "metrics.jsonl").is_file() and _metrics(run)):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.2)
+
+
+def test_ctrl_c_saves_a_checkpoint_says_so_exits_130_and_the_run_resumes(tmp_path):
+    run = tmp_path / "int"
+    proc = _start(run, "algorithm.steps=50", "checkpoint.save_every=0")
+    _wait_for_metrics(run, proc)
+    os.killpg(proc.pid, signal.SIGINT)  # as Ctrl-C in a terminal: the trainer and its grading workers
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-3000:]
+    saved = sorted(int(p.name.split("_")[1]) for p in (run / "checkpoints").glob("step_*"))
+    assert len(saved) == 1 and 1 <= saved[0] < 50, saved
+    step = saved[0]
+    assert f"nemo-disco: Ctrl-C: finishing step {step}, then saving a checkpoint and exiting (exit code 130)" in err
+    assert f"nemo-disco: checkpoint saved after SIGINT: {run}/checkpoints/step_{step} (the same command resumes" in err
+    assert "Traceback" not in err
+    assert [r["step"] for r in _metrics(run)] == list(range(1, step + 1))
+    res = _train(run, f"algorithm.steps={step + 2}", "checkpoint.save_every=0")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"resumed from {run}/checkpoints/step_{step} (step {step})" in res.stdout
+    assert [r["step"] for r in _metrics(run)] == list(range(1, step + 3))
+
+
+def test_a_second_ctrl_c_stops_at_once_without_a_new_checkpoint(tmp_path):
+    run = tmp_path / "int2"
+    # Longer steps (64 questions) so that the second Ctrl-C lands inside the step the first one let finish.
+    proc = _start(run, "algorithm.steps=50", "checkpoint.save_every=0", "algorithm.prompts_per_step=64")
+    _wait_for_metrics(run, proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    first = proc.stderr.readline()
+    while first and "Ctrl-C: finishing step" not in first:
+        first = proc.stderr.readline()
+    assert "press Ctrl-C again to stop at once without one" in first
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-3000:]
+    assert "nemo-disco train: interrupted (Ctrl-C): stopped without a new checkpoint" in err
+    assert "Traceback" not in err
+    # No complete checkpoint; at most the interrupted save's step_N.tmp, which resume ignores.
+    assert not [p for p in run.glob("checkpoints/step_*") if p.name.removeprefix("step_").isdigit()]
+
+
+def test_the_last_step_is_validated_and_a_shorter_resume_warns(tmp_path):
+    """algorithm.steps=3 with data.val_every=2: validations at steps 0, 2 and 3; the summary's "after" is step 3."""
+    run = tmp_path / "val"
+    val = ["data.val=synthetic:arithmetic-heldout", "data.val_every=2", "data.val_max_problems=8", "data.val_samples=2"]
+    res = _train(run, "algorithm.steps=3", "checkpoint.save_every=0", *val)
+    assert res.returncode == 0, res.stderr[-3000:]
+    vals = [json.loads(x) for x in (run / "validation.jsonl").read_text().splitlines()]
+    assert [v["step"] for v in vals] == [0, 2, 3]
+    assert "after RL (step 3): " in res.stdout
+    assert "val/pass@1" in _metrics(run)[-1]
+    final = (run / "final.json").read_text()
+    res = _train(run, "algorithm.steps=2", "checkpoint.save_every=0", *val)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"warning: {run}/checkpoints/step_3 is at step 3, past algorithm.steps=2: nothing is trained" in res.stdout
+    assert "after RL (step 3): " in res.stdout
+    assert (run / "final.json").read_text() == final  # the finished run's result is kept
