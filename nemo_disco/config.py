@@ -158,7 +158,8 @@ class DataConfig(_Section):
     seed: int = 42
     # Synthetic task size (only for synthetic:*).
     synthetic_size: int = Field(2000, ge=1)
-    # Validation benchmark file (pass@1 over val_samples), evaluated every val_every steps; 0 = never.
+    # Validation benchmark file (pass@1 over val_samples), evaluated before step 1, every val_every steps and after
+    # the last step; val_every 0 = never.
     val: str | None = None
     val_every: int = Field(0, ge=0)
     val_samples: int = Field(1, ge=1)
