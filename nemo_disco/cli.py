@@ -217,9 +217,22 @@ def _plot(args: argparse.Namespace) -> int:
         return 0
     from nemo_disco.metrics import plot_runs
 
-    out = args.out or str(Path(args.runs[0]) / "curves.png")
-    print(plot_runs(args.runs, out, labels=args.labels.split(",") if args.labels else None))
+    out = args.out or default_plot_path(args.runs)
+    path = plot_runs(args.runs, out, labels=args.labels.split(",") if args.labels else None)
+    print(f"wrote {path} (training curves of {', '.join(str(r) for r in args.runs)})")
     return 0
+
+
+def default_plot_path(runs: list[str]) -> Path:
+    """Where ``plot`` writes without ``--out``.
+
+    ``RUN/curves.png`` for one run (as training does at its end); for several, ``compare-<run>-<run>....png`` in the
+    current folder, so that no run's own ``curves.png`` is replaced.
+    """
+    if len(runs) == 1:
+        return Path(runs[0]) / "curves.png"
+    names = [Path(r).resolve().name or "run" for r in runs]
+    return Path("compare-" + "-".join(names) + ".png")
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -446,7 +459,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plot", help="PNG training curves of runs, or pass@k against k of eval results")
     pl.add_argument("runs", nargs="+", help="run folders (holding metrics.jsonl), or results folders with --pass-at-k")
-    pl.add_argument("--out", help="PNG path (default RUN/curves.png; pass_at_k.png with --pass-at-k)")
+    pl.add_argument(
+        "--out",
+        help="PNG path (default: RUN/curves.png for one run, compare-RUN1-RUN2.png in the current folder for several; "
+        "pass_at_k.png with --pass-at-k)",
+    )
     pl.add_argument("--labels", help="comma-separated legend labels")
     pl.add_argument("--pass-at-k", action="store_true", help="plot pass@k against k of graded results folders")
     pl.add_argument("--benchmarks", help="with --pass-at-k: comma-separated benchmarks (default: all)")

@@ -134,6 +134,25 @@ def test_plot_overlays_runs(tmp_path):
     assert bad.returncode == 2 and "no metrics.jsonl records" in bad.stderr and bad.stderr.count("\n") == 1
 
 
+def test_plot_of_several_runs_goes_to_its_own_file_and_says_where(tmp_path):
+    """Without --out, `plot A B` writes compare-A-B.png in the current folder; A's own curves.png is not replaced."""
+    for name in ("a", "b"):
+        (tmp_path / "runs" / name).mkdir(parents=True)
+        lines = [{"step": s, "train/reward_mean": 0.1 * s, "train/kl": 1e-5} for s in range(1, 4)]
+        (tmp_path / "runs" / name / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    own = tmp_path / "runs" / "a" / "curves.png"
+    own.write_bytes(b"the run's own plot")
+    cmd = [sys.executable, "-m", "nemo_disco.cli", "plot", "runs/a", "runs/b"]
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == "wrote compare-a-b.png (training curves of runs/a, runs/b)\n"
+    assert (tmp_path / "compare-a-b.png").read_bytes()[:4] == b"\x89PNG"
+    assert own.read_bytes() == b"the run's own plot"
+    one = subprocess.run(cmd[:-1], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert one.returncode == 0 and one.stdout.startswith("wrote runs/a/curves.png")
+    assert own.read_bytes()[:4] == b"\x89PNG"
+
+
 def test_sigkill_at_a_random_step_then_resume_is_bit_exact(tmp_path):
     steps = ["algorithm.steps=5", "checkpoint.save_every=1", "checkpoint.keep_last=5"]
     ref = tmp_path / "ref"

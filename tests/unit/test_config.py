@@ -271,3 +271,20 @@ def test_async_rollout_layouts():
     ]:
         with pytest.raises(ConfigError, match=fragment):
             load(*overrides)
+
+
+def test_the_readmes_training_examples_each_have_their_own_run_folder():
+    """Every `nemo-disco train` line of the README that runs the demo recipe writes a run folder of its own (the
+    demo's is runs/tiny-cpu): a shared folder would resume the other run, or stop on the resume guard."""
+    import re
+    import shlex
+
+    readme = (ROOT / "README.md").read_text()
+    lines = re.findall(r"nemo-disco train --config (recipes/tiny-cpu\.yaml[^`#\n]*)", readme)
+    assert len(lines) >= 2, lines
+    folders = {"make demo": config.load(ROOT / "recipes" / "tiny-cpu.yaml").logging.run_dir}
+    for line in lines:
+        recipe, *overrides = shlex.split(line)
+        run_dir = config.load(ROOT / recipe, overrides).logging.run_dir
+        assert run_dir not in folders.values(), (line, folders)
+        folders[line] = run_dir
