@@ -475,6 +475,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``nemo-disco`` console script."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    # transformers' bars ("Loading weights", "Writing model shards": one per model load or save, many per run) and
+    # the hub's download bars: carriage-return noise in a log file. HF_HUB_DISABLE_PROGRESS_BARS=0 brings them back.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)

@@ -344,3 +344,20 @@ def test_the_last_step_is_validated_and_a_shorter_resume_warns(tmp_path):
     assert f"warning: {run}/checkpoints/step_3 is at step 3, past algorithm.steps=2: nothing is trained" in res.stdout
     assert "after RL (step 3): " in res.stdout
     assert (run / "final.json").read_text() == final  # the finished run's result is kept
+
+
+def test_output_that_is_not_a_terminal_gets_plain_step_lines(tmp_path):
+    """As in a Slurm .out file (stdout and stderr are pipes): no carriage returns, short lines, a line per step."""
+    run = tmp_path / "log"
+    val = ["data.val=synthetic:arithmetic-heldout", "data.val_every=2", "data.val_max_problems=8", "data.val_samples=2"]
+    res = _train(run, "algorithm.steps=3", "checkpoint.save_every=1", "logging.progress=true", *val)
+    assert res.returncode == 0, res.stderr[-3000:]
+    both = res.stdout + res.stderr
+    assert "\r" not in both
+    assert max(len(line) for line in both.splitlines()) < 200, max(both.splitlines(), key=len)
+    # transformers' bars (the warm-up's model saves, every load, every checkpoint) are off in the CLI.
+    assert "Loading weights" not in both and "Writing model shards" not in both
+    steps = [line for line in res.stdout.splitlines() if line.startswith("step ")]
+    assert steps[0].startswith("step 1/3: reward ") and " s/step, " in steps[0] and steps[0].endswith(" left")
+    assert steps[-1].startswith("step 3/3: ") and "val pass@1 " in steps[-1]
+    assert any(line.startswith("step 2/3: ") and "val pass@1 " in line for line in steps)  # a validation step
