@@ -317,3 +317,22 @@ def test_max_requeues_must_be_a_count():
     done = _run("slurm/train.sbatch", "recipes/tiny-cpu.yaml", NEMO_DISCO_DRY_RUN="1", NEMO_DISCO_MAX_REQUEUES="x")
     assert done.returncode == 2
     assert done.stderr.strip() == "train.sbatch: error: NEMO_DISCO_MAX_REQUEUES=x is not a non-negative integer"
+
+
+def test_the_quickstarts_dry_run_works_as_written():
+    """docs/quickstart-cluster.md, step 3: its preview lines, pasted into bash outside Slurm."""
+    text = (ROOT / "docs" / "quickstart-cluster.md").read_text()
+    block = text.split("## 3. Preview, then submit", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    preview = "".join(
+        line + "\n" for line in block.splitlines() if not line.startswith(("mkdir", "HF_HUB", "    slurm"))
+    )
+    assert "NEMO_DISCO_DRY_RUN=1 bash slurm/train.sbatch" in preview
+    done = subprocess.run(["bash", "-c", preview], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "assumed the recipe's own layout (SLURM_NNODES=1 SLURM_GPUS_ON_NODE=8)" in done.stdout
+    command = shlex.split(done.stdout.split("command: ", 1)[1].splitlines()[0])
+    assert command[-3:] == [
+        "recipes/disco-logl-r1qwen1.5b-1n8g-8k.yaml",
+        "data.train=/lustre/data/deepscaler.jsonl",
+        "policy.model_path=/lustre/models/DeepSeek-R1-Distill-Qwen-1.5B",
+    ]
