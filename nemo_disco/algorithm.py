@@ -45,6 +45,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import signal
 import sys
 from dataclasses import dataclass, field
@@ -67,13 +68,17 @@ log = logging.getLogger(__name__)
 
 #: Exit code after a SIGUSR1 checkpoint: "preempted, requeue me" (slurm/train.sbatch requeues on it).
 EXIT_REQUEUE = 3
+#: Exit code after a Ctrl-C (SIGINT): the shell's "interrupted" (128 + 2), with or without the checkpoint.
+EXIT_INTERRUPTED = 130
 
 
 class Preempted(Exception):  # noqa: N818  (a control-flow signal, not an error)
-    """Raised after the checkpoint that a SIGUSR1 / SIGTERM asked for; carries the exit code."""
+    """Raised after the checkpoint that a SIGUSR1 / SIGTERM / SIGINT asked for; carries the exit code."""
 
-    def __init__(self, code: int) -> None:
-        super().__init__(f"checkpoint saved after signal; exit code {code}")
+    def __init__(self, code: int, signum: int = 0, path: Path | None = None) -> None:
+        name = signal.Signals(signum).name if signum else "a signal"
+        where = f": {path} (the same command resumes from it)" if path is not None else ""
+        super().__init__(f"checkpoint saved after {name}{where}; exit code {code}")
         self.code = code
 
 
@@ -232,6 +237,14 @@ def setup(cfg: RunConfig, role: tuple[distributed.DistEnv, distributed.Link] | N
     logger.write(f"loss {loss.name}: " + ", ".join(f"{k}={v}" for k, v in loss.hyperparameters.items()))
     if latest is not None:
         logger.write(f"resumed from {latest} (step {step})")
+    if step > cfg.algorithm.steps:
+        logger.write(
+            f"warning: {latest} is at step {step}, past algorithm.steps={cfg.algorithm.steps}: nothing is trained and "
+            f"the run's results stay those of step {step} (raise algorithm.steps to go on, or use a new "
+            "logging.run_dir for a shorter run)"
+        )
+    elif latest is not None and step == cfg.algorithm.steps:
+        logger.write(f"the run is already complete at step {step} (algorithm.steps={step}): nothing to train")
     if skipped or dropped:
         logger.write(
             f"data: {skipped} bad rows skipped, {dropped} prompts over "
@@ -497,11 +510,34 @@ def save_checkpoint(tr: Trainer) -> Path:
 
 
 def _install_signal_handlers(tr: Trainer) -> None:
+    """SIGUSR1, SIGTERM and a first SIGINT (Ctrl-C): checkpoint after the current step, then exit.
+
+    The step in progress finishes first (a step is the unit a checkpoint holds). A second Ctrl-C aborts at once
+    (``KeyboardInterrupt``, exit code 130) without a new checkpoint: a save it interrupts is left as a ``.tmp``
+    folder that resume ignores, so the run resumes from the newest complete checkpoint.
+    """
+
     def handler(signum: int, _frame: object) -> None:
         tr.signal_received.append(signum)
 
+    def on_interrupt(signum: int, _frame: object) -> None:
+        tr.signal_received.append(signum)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # the next Ctrl-C raises KeyboardInterrupt
+        if tr.env.is_main:  # os.write: a print here could re-enter a print that the signal interrupted
+            line = (
+                f"nemo-disco: Ctrl-C: finishing step {tr.step + 1}, then saving a checkpoint and exiting "
+                f"(exit code {EXIT_INTERRUPTED}); press Ctrl-C again to stop at once without one\n"
+            )
+            os.write(sys.stderr.fileno(), line.encode())
+
     for sig in (signal.SIGUSR1, signal.SIGTERM):
         signal.signal(sig, handler)
+    signal.signal(signal.SIGINT, on_interrupt)
+
+
+def _exit_code(sig: int) -> int:
+    """The exit code after the checkpoint a signal asked for: 3 (SIGUSR1, requeue), 130 (SIGINT), 0 (SIGTERM)."""
+    return {signal.SIGUSR1: EXIT_REQUEUE, signal.SIGINT: EXIT_INTERRUPTED}.get(sig, 0)
 
 
 def _signal_agreed(tr: Trainer) -> int:
@@ -525,7 +561,8 @@ def train(cfg: RunConfig) -> dict[str, float]:
     (:func:`nemo_disco.rollouts.serve`, which returns {} when the trainer tells it to stop).
 
     Raises:
-        Preempted: after SIGUSR1 (exit code 3, requeue) or SIGTERM (exit code 0) with a checkpoint saved.
+        Preempted: after SIGUSR1 (exit code 3, requeue), SIGTERM (exit code 0) or a first Ctrl-C (SIGINT, exit code
+            130) with a checkpoint saved.
         checkpoint.SaveError: a checkpoint could not be written (the previous one is intact).
     """
     timeout = _collective_timeout_minutes(cfg)
@@ -584,7 +621,8 @@ def _train(
                 metrics = train_step(tr)
                 tr.step += 1
                 sig = _signal_agreed(tr)
-                val_due = bool(val_every) and tr.step % val_every == 0
+                # Every data.val_every steps, and at the last step: the run's result is the final weights'.
+                val_due = bool(val_every) and (tr.step % val_every == 0 or tr.step == a.steps)
                 more = tr.step < a.steps and not sig
                 metrics["timing/publish"] = tr.rollouts.publish(
                     tr.step, validate_seed=a.seed + tr.step if val_due else None, more=more
@@ -602,12 +640,12 @@ def _train(
                     path = save_checkpoint(tr)
                 tr.logger.write(f"checkpoint {path}")
             if sig:
-                code = EXIT_REQUEUE if sig == signal.SIGUSR1 else 0
-                raise Preempted(code)
+                code = _exit_code(sig)
+                raise Preempted(code, sig, path)
         code = 0
     finally:
         tr.logger.close()
         tr.rollouts.close(code)
-    if tr.env.is_main:
+    if tr.env.is_main and last:  # a run that trained no step keeps its final.json
         (tr.run_dir / "final.json").write_text(json.dumps({"step": tr.step, **last}, indent=1))
     return last

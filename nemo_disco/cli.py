@@ -231,10 +231,23 @@ def _plot(args: argparse.Namespace) -> int:
         return 0
     from nemo_disco.metrics import plot_runs
 
-    out = args.out or str(Path(args.runs[0]) / "curves.png")
+    out = args.out or default_plot_path(args.runs)
     files.check_writable_file(out, "plot")
-    print(plot_runs(args.runs, out, labels=args.labels.split(",") if args.labels else None))
+    path = plot_runs(args.runs, out, labels=args.labels.split(",") if args.labels else None)
+    print(f"wrote {path} (training curves of {', '.join(str(r) for r in args.runs)})")
     return 0
+
+
+def default_plot_path(runs: list[str]) -> Path:
+    """Where ``plot`` writes without ``--out``.
+
+    ``RUN/curves.png`` for one run (as training does at its end); for several, ``compare-<run>-<run>....png`` in the
+    current folder, so that no run's own ``curves.png`` is replaced.
+    """
+    if len(runs) == 1:
+        return Path(runs[0]) / "curves.png"
+    names = [Path(r).resolve().name or "run" for r in runs]
+    return Path("compare-" + "-".join(names) + ".png")
 
 
 def _names(text: str) -> list[str]:
@@ -577,7 +590,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plot", help="PNG training curves of runs, or pass@k against k of eval results")
     pl.add_argument("runs", nargs="+", help="run folders (holding metrics.jsonl), or results folders with --pass-at-k")
-    pl.add_argument("--out", help="PNG path (default RUN/curves.png; pass_at_k.png with --pass-at-k)")
+    pl.add_argument(
+        "--out",
+        help="PNG path (default: RUN/curves.png for one run, compare-RUN1-RUN2.png in the current folder for several; "
+        "pass_at_k.png with --pass-at-k)",
+    )
     pl.add_argument("--labels", help="comma-separated legend labels")
     pl.add_argument("--pass-at-k", action="store_true", help="plot pass@k against k of graded results folders")
     pl.add_argument("--benchmarks", help="with --pass-at-k: comma-separated benchmarks (default: all)")
@@ -589,6 +606,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``nemo-disco`` console script."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    # transformers' bars ("Loading weights", "Writing model shards": one per model load or save, many per run) and
+    # the hub's download bars: carriage-return noise in a log file. HF_HUB_DISABLE_PROGRESS_BARS=0 brings them back.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
@@ -606,6 +626,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"nemo-disco {command}: error: {err}{where}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        # Ctrl-C before training's own handler is up, or a second Ctrl-C during a step or a save: no new checkpoint.
+        stopped = "stopped without a new checkpoint (the next start resumes from the newest complete one)"
+        print(
+            f"nemo-disco {args.command}: interrupted (Ctrl-C): {stopped if args.command == 'train' else 'stopped'}",
+            file=sys.stderr,
+        )
         return 130
 
 

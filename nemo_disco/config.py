@@ -1,7 +1,8 @@
 """Typed run configuration: the one place where every default lives (a loss's hyper-parameters: beside the loss).
 
 A recipe is a YAML file that may start with a Hydra ``defaults:`` list (``[disco, _self_]``) naming
-other recipes in the same folder; it is composed with Hydra, ``key=value`` overrides are applied,
+other recipes, looked for in the recipe's own folder, then among the shipped recipes (:data:`SHIPPED_RECIPES`),
+so that ``~/exp/my.yaml`` can inherit ``disco``; it is composed with Hydra, ``key=value`` overrides are applied,
 and the result is validated ONCE into a frozen :class:`RunConfig`. Call sites read
 ``cfg.loss.beta``, never ``cfg.get("beta", 1e3)``.
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -23,6 +25,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 class ConfigError(ValueError):
     """A recipe or override is invalid. The message is a single line naming the key."""
+
+
+#: The repository's recipes folder: the second place a recipe's ``defaults:`` entries are looked for.
+SHIPPED_RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
 
 class _Section(BaseModel):
@@ -158,7 +164,8 @@ class DataConfig(_Section):
     seed: int = 42
     # Synthetic task size (only for synthetic:*).
     synthetic_size: int = Field(2000, ge=1)
-    # Validation benchmark file (pass@1 over val_samples), evaluated every val_every steps; 0 = never.
+    # Validation benchmark file (pass@1 over val_samples), evaluated before step 1, every val_every steps and after
+    # the last step; val_every 0 = never.
     val: str | None = None
     val_every: int = Field(0, ge=0)
     val_samples: int = Field(1, ge=1)
@@ -473,17 +480,90 @@ _KEYS = _known_keys(RunConfig)
 _MAPPING_KEYS = {k for k, sec in _KEYS.items() if sec is None and _leaf_is_mapping(RunConfig, k.split("."))}
 
 
+def _suggestion(key: str) -> str:
+    """`` (did you mean loss.beta?)`` for ``loss.betta``: the closest key of the same section; "" if none is close."""
+    parent, _, leaf = key.rpartition(".")
+    siblings = [k.rpartition(".")[2] for k in _KEYS if k.rpartition(".")[0] == parent]
+    hint = difflib.get_close_matches(leaf, siblings, n=1)
+    return f" (did you mean {parent + '.' if parent else ''}{hint[0]}?)" if hint else ""
+
+
 def _check_override_key(override: str) -> None:
     if "=" not in override:
         raise ConfigError(f"override {override!r} is not of the form key=value")
     key = override.split("=", 1)[0].lstrip("+~")
     if key in _KEYS or key.rpartition(".")[0] in _MAPPING_KEYS:
         return
-    parent, _, leaf = key.rpartition(".")
-    siblings = [k.rpartition(".")[2] for k in _KEYS if k.rpartition(".")[0] == parent]
-    hint = difflib.get_close_matches(leaf, siblings, n=1)
-    suggestion = f" (did you mean {parent + '.' if parent else ''}{hint[0]}?)" if hint else ""
-    raise ConfigError(f"unknown config key {key!r} in override {override!r}{suggestion}")
+    raise ConfigError(f"unknown config key {key!r} in override {override!r}{_suggestion(key)}")
+
+
+def _unknown_keys(raw: dict[str, Any], prefix: str = "") -> list[str]:
+    """Dotted keys of a composed recipe that the schema lacks (a section's unknown name stops the descent)."""
+    out = []
+    for name, value in raw.items():
+        key = f"{prefix}{name}"
+        if key not in _KEYS:
+            out.append(key)
+        elif _KEYS[key] is not None and isinstance(value, dict):
+            out.extend(_unknown_keys(value, key + "."))
+    return out
+
+
+def _search_path(recipe: Path) -> list[Path]:
+    """Where a recipe's ``defaults:`` entries are looked for: its own folder, then the shipped recipes."""
+    folders = [recipe.parent.resolve()]
+    if SHIPPED_RECIPES.is_dir() and SHIPPED_RECIPES.resolve() != folders[0]:
+        folders.append(SHIPPED_RECIPES.resolve())
+    return folders
+
+
+def _recipe_files(recipe: Path, folders: list[Path]) -> list[Path]:
+    """The recipe and every recipe its ``defaults:`` list names, recursively (the files the composition read)."""
+    files: list[Path] = []
+    todo = [recipe]
+    while todo:
+        path = todo.pop(0)
+        if path in files:
+            continue
+        files.append(path)
+        try:
+            defaults = (yaml.safe_load(path.read_text()) or {}).get("defaults") or []
+        except (OSError, yaml.YAMLError, AttributeError):
+            continue
+        for entry in defaults:
+            if isinstance(entry, str) and entry != "_self_":
+                found = [f / f"{entry}.yaml" for f in folders if (f / f"{entry}.yaml").is_file()]
+                todo.extend(found[:1])
+    return files
+
+
+def _key_line(path: Path, key: str) -> int | None:
+    """The 1-based line of a dotted key in a YAML file (None: not in it)."""
+    try:
+        node = yaml.compose(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    for name in key.split("."):
+        if not isinstance(node, yaml.MappingNode):
+            return None
+        match = [(k, v) for k, v in node.value if getattr(k, "value", None) == name]
+        if not match:
+            return None
+        key_node, node = match[-1]
+    return key_node.start_mark.line + 1
+
+
+def _check_recipe_keys(raw: dict[str, Any], recipe: Path, folders: list[Path]) -> None:
+    """An unknown key in a recipe: one line naming the file (and line) that sets it, with the closest known key."""
+    unknown = _unknown_keys(raw)
+    if not unknown:
+        return
+    key = unknown[0]
+    files = _recipe_files(recipe, folders)
+    where = next(((f, line) for f in files if (line := _key_line(f, key)) is not None), None)
+    place = f"{where[0]}:{where[1]}" if where else str(recipe)
+    more = f" (and {len(unknown) - 1} more: {', '.join(unknown[1:4])})" if len(unknown) > 1 else ""
+    raise ConfigError(f"{place}: unknown config key {key!r}{_suggestion(key)}{more}")
 
 
 def _format_validation_error(err: ValidationError) -> str:
@@ -515,7 +595,8 @@ def compose(recipe: str | os.PathLike, overrides: list[str] | tuple[str, ...] = 
     """Compose a recipe with Hydra (``defaults:`` list, ``key=value`` overrides) into a plain dict.
 
     Args:
-        recipe: path to a YAML recipe; its ``defaults:`` entries name recipes in the same folder.
+        recipe: path to a YAML recipe; its ``defaults:`` entries name recipes in its own folder or, failing that,
+            among the shipped ones (:data:`SHIPPED_RECIPES`).
         overrides: Hydra override strings (``loss.tau=1``, ``+key=value``, ``~key``).
 
     Raises:
@@ -540,18 +621,30 @@ def compose(recipe: str | os.PathLike, overrides: list[str] | tuple[str, ...] = 
     # Keys were checked against the schema above, so a plain `key=value` may also set a schema field that
     # the recipe does not state: Hydra's `++` (add or override).
     hydra_overrides = [o if o.startswith(("+", "~")) else f"++{o}" for o in overrides]
+    folders = _search_path(path)
+    search = [f"hydra.searchpath=[{','.join(f.as_uri() for f in folders[1:])}]"] if len(folders) > 1 else []
     GlobalHydra.instance().clear()
     try:
-        with initialize_config_dir(config_dir=str(path.parent.resolve()), version_base=None):
-            cfg = hydra_compose(config_name=path.stem, overrides=hydra_overrides)
+        with initialize_config_dir(config_dir=str(folders[0]), version_base=None):
+            cfg = hydra_compose(config_name=path.stem, overrides=[*search, *hydra_overrides])
     except Exception as err:  # Hydra raises several exception types; all are user errors here.
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        missing = re.search(r"Could not load '([^']+)'", first)
+        if missing:
+            name, looked = missing.group(1), " and ".join(str(f) for f in folders)
+            names = sorted({p.stem for f in folders for p in f.glob("*.yaml")})
+            hint = difflib.get_close_matches(name, names, n=1)
+            raise ConfigError(
+                f"{path}: defaults entry {name!r} not found: looked for {name}.yaml in {looked}"
+                + (f" (did you mean {hint[0]}?)" if hint else "")
+            ) from None
         raise ConfigError(f"{path}: {first}") from None
     finally:
         GlobalHydra.instance().clear()
     raw = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(raw, dict)
     raw.pop("defaults", None)
+    _check_recipe_keys(raw, path, folders)
     return raw
 
 

@@ -1,4 +1,6 @@
-"""Metric sinks (JSONL always, TensorBoard, W&B), a progress bar, and the training-curve plots.
+"""Metric sinks (JSONL always, TensorBoard, W&B), progress (bar or plain lines), and the training-curve plots.
+
+Progress is a bar in a terminal and a plain line per step (at most one per 10 s) in a log file or a pipe.
 
 metrics.jsonl is the record of a run (fsync'd every step; resume truncates it to the checkpoint's step). The
 other sinks are conveniences: one that fails (not installed, no network, disk full, a write error) is reported
@@ -11,6 +13,7 @@ import contextlib
 import json
 import math
 import os
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -68,12 +71,15 @@ class MetricsLogger:
         start_step: int,
         progress: bool,
         run_config: dict[str, Any] | None = None,
+        terminal: bool | None = None,
     ) -> None:
+        """Open the sinks on rank 0 (``enabled``); ``terminal`` (default: stderr is a TTY) picks bar or lines."""
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
         self._tb = None
         self._wandb = None
         self._bar = None
+        self._lines: StepLines | None = None
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -91,10 +97,12 @@ class MetricsLogger:
                 self._wandb = wandb_lib.init(project=wandb_project, dir=str(run_dir), config=run_config, resume="allow")
             except Exception as err:  # noqa: BLE001
                 self._sink_failed("W&B", err)
-        if progress:
+        if progress and (sys.stderr.isatty() if terminal is None else terminal):
             from tqdm import tqdm
 
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+        elif progress:  # a Slurm .out file, a pipe: a bar there is one endless line of carriage returns
+            self._lines = StepLines(total_steps, start_step)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Append one step's metrics (non-finite values are written as null)."""
@@ -127,6 +135,10 @@ class MetricsLogger:
                 reward=f"{metrics.get('train/reward_mean', float('nan')):.3f}",
                 kl=f"{metrics.get('train/kl', float('nan')):.1e}",
             )
+        if self._lines is not None:
+            line = self._lines.line(step, metrics)
+            if line:
+                print(line, flush=True)
 
     def write(self, message: str) -> None:
         """Print a line without breaking the progress bar."""
@@ -156,6 +168,43 @@ class MetricsLogger:
             f"warning: metrics sink {name} failed ({type(err).__name__}: {first}); it is off for the rest of the "
             f"run, training goes on and {self.path} keeps every metric"
         )
+
+
+class StepLines:
+    """Progress as plain lines, for output that is not a terminal: one per step, at most one per ``every_s`` seconds.
+
+    The last step and steps with a validation always get theirs. A line reads
+    ``step 40/120: reward 0.412, kl 3.1e-05, val pass@1 0.520; 0.52 s/step, 42 s left``.
+    """
+
+    def __init__(self, total_steps: int, start_step: int, every_s: float = 10.0) -> None:
+        self.total, self.start, self.every_s = total_steps, start_step, every_s
+        self.t0 = time.monotonic()
+        self.last_print: float | None = None
+
+    def line(self, step: int, metrics: dict[str, float]) -> str | None:
+        """The line for ``step``, or None when the previous line is under ``every_s`` old (step 0: None)."""
+        now = time.monotonic()
+        due = self.last_print is None or now - self.last_print >= self.every_s
+        if step <= self.start or not (due or step >= self.total or "val/pass@1" in metrics):
+            return None
+        self.last_print = now
+        parts = [f"reward {metrics.get('train/reward_mean', float('nan')):.3f}"]
+        parts.append(f"kl {metrics.get('train/kl', float('nan')):.1e}")
+        if "val/pass@1" in metrics:
+            parts.append(f"val pass@1 {metrics['val/pass@1']:.3f}")
+        per_step = (now - self.t0) / (step - self.start)
+        left = max(0, self.total - step) * per_step
+        return f"step {step}/{self.total}: {', '.join(parts)}; {per_step:.2f} s/step, {_duration(left)} left"
+
+
+def _duration(seconds: float) -> str:
+    """``42 s``, ``7 min``, ``3.5 h``."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 def _finite_or_none(v: Any) -> Any:

@@ -685,7 +685,7 @@ def serve(cfg: RunConfig, env: distributed.DistEnv, link: distributed.Link, wd: 
     Returns:
         The exit code the trainer asked for.
     """
-    for sig in (signal.SIGUSR1, signal.SIGTERM):  # the trainer decides (it checkpoints, then tells us to stop)
+    for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):  # the trainer decides (it checkpoints, then stops us)
         signal.signal(sig, signal.SIG_IGN)
     head = link.recv_down()
     start = head["start"]

@@ -140,6 +140,25 @@ def test_plot_overlays_runs(tmp_path):
     assert bad.returncode == 2 and "no metrics.jsonl records" in bad.stderr and bad.stderr.count("\n") == 1
 
 
+def test_plot_of_several_runs_goes_to_its_own_file_and_says_where(tmp_path):
+    """Without --out, `plot A B` writes compare-A-B.png in the current folder; A's own curves.png is not replaced."""
+    for name in ("a", "b"):
+        (tmp_path / "runs" / name).mkdir(parents=True)
+        lines = [{"step": s, "train/reward_mean": 0.1 * s, "train/kl": 1e-5} for s in range(1, 4)]
+        (tmp_path / "runs" / name / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    own = tmp_path / "runs" / "a" / "curves.png"
+    own.write_bytes(b"the run's own plot")
+    cmd = [sys.executable, "-m", "nemo_disco.cli", "plot", "runs/a", "runs/b"]
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == "wrote compare-a-b.png (training curves of runs/a, runs/b)\n"
+    assert (tmp_path / "compare-a-b.png").read_bytes()[:4] == b"\x89PNG"
+    assert own.read_bytes() == b"the run's own plot"
+    one = subprocess.run(cmd[:-1], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert one.returncode == 0 and one.stdout.startswith("wrote runs/a/curves.png")
+    assert own.read_bytes()[:4] == b"\x89PNG"
+
+
 def test_sigkill_at_a_random_step_then_resume_is_bit_exact(tmp_path):
     steps = ["algorithm.steps=5", "checkpoint.save_every=1", "checkpoint.keep_last=5"]
     ref = tmp_path / "ref"
@@ -293,3 +312,98 @@ def test_training_with_a_user_reward_function_from_the_current_folder(tmp_path):
     )
     assert bad.returncode == 2
     assert "reward.function='my_rewards:nope': module 'my_rewards' has no attribute 'nope'" in bad.stderr
+
+
+def _start(run: Path, *overrides: str) -> subprocess.Popen:
+    """A training run in a session of its own (a terminal's Ctrl-C signals the whole foreground group)."""
+    cmd = [sys.executable, "-m", "nemo_disco.cli", "train", "--config", str(RECIPE), f"logging.run_dir={run}"]
+    return subprocess.Popen(
+        cmd + FAST_TINY + list(overrides),
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _wait_for_metrics(run: Path, proc: subprocess.Popen) -> None:
+    deadline = time.time() + 600
+    while time.time() < deadline and not ((run / "metrics.jsonl").is_file() and _metrics(run)):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.2)
+
+
+def test_ctrl_c_saves_a_checkpoint_says_so_exits_130_and_the_run_resumes(tmp_path):
+    run = tmp_path / "int"
+    proc = _start(run, "algorithm.steps=50", "checkpoint.save_every=0")
+    _wait_for_metrics(run, proc)
+    os.killpg(proc.pid, signal.SIGINT)  # as Ctrl-C in a terminal: the trainer and its grading workers
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-3000:]
+    saved = sorted(int(p.name.split("_")[1]) for p in (run / "checkpoints").glob("step_*"))
+    assert len(saved) == 1 and 1 <= saved[0] < 50, saved
+    step = saved[0]
+    assert f"nemo-disco: Ctrl-C: finishing step {step}, then saving a checkpoint and exiting (exit code 130)" in err
+    assert f"nemo-disco: checkpoint saved after SIGINT: {run}/checkpoints/step_{step} (the same command resumes" in err
+    assert "Traceback" not in err
+    assert [r["step"] for r in _metrics(run)] == list(range(1, step + 1))
+    res = _train(run, f"algorithm.steps={step + 2}", "checkpoint.save_every=0")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"resumed from {run}/checkpoints/step_{step} (step {step})" in res.stdout
+    assert [r["step"] for r in _metrics(run)] == list(range(1, step + 3))
+
+
+def test_a_second_ctrl_c_stops_at_once_without_a_new_checkpoint(tmp_path):
+    run = tmp_path / "int2"
+    # Longer steps (64 questions) so that the second Ctrl-C lands inside the step the first one let finish.
+    proc = _start(run, "algorithm.steps=50", "checkpoint.save_every=0", "algorithm.prompts_per_step=64")
+    _wait_for_metrics(run, proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    first = proc.stderr.readline()
+    while first and "Ctrl-C: finishing step" not in first:
+        first = proc.stderr.readline()
+    assert "press Ctrl-C again to stop at once without one" in first
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-3000:]
+    assert "nemo-disco train: interrupted (Ctrl-C): stopped without a new checkpoint" in err
+    assert "Traceback" not in err
+    # No complete checkpoint; at most the interrupted save's step_N.tmp, which resume ignores.
+    assert not [p for p in run.glob("checkpoints/step_*") if p.name.removeprefix("step_").isdigit()]
+
+
+def test_the_last_step_is_validated_and_a_shorter_resume_warns(tmp_path):
+    """algorithm.steps=3 with data.val_every=2: validations at steps 0, 2 and 3; the summary's "after" is step 3."""
+    run = tmp_path / "val"
+    val = ["data.val=synthetic:arithmetic-heldout", "data.val_every=2", "data.val_max_problems=8", "data.val_samples=2"]
+    res = _train(run, "algorithm.steps=3", "checkpoint.save_every=0", *val)
+    assert res.returncode == 0, res.stderr[-3000:]
+    vals = [json.loads(x) for x in (run / "validation.jsonl").read_text().splitlines()]
+    assert [v["step"] for v in vals] == [0, 2, 3]
+    assert "after RL (step 3): " in res.stdout
+    assert "val/pass@1" in _metrics(run)[-1]
+    final = (run / "final.json").read_text()
+    res = _train(run, "algorithm.steps=2", "checkpoint.save_every=0", *val)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"warning: {run}/checkpoints/step_3 is at step 3, past algorithm.steps=2: nothing is trained" in res.stdout
+    assert "after RL (step 3): " in res.stdout
+    assert (run / "final.json").read_text() == final  # the finished run's result is kept
+
+
+def test_output_that_is_not_a_terminal_gets_plain_step_lines(tmp_path):
+    """As in a Slurm .out file (stdout and stderr are pipes): no carriage returns, short lines, a line per step."""
+    run = tmp_path / "log"
+    val = ["data.val=synthetic:arithmetic-heldout", "data.val_every=2", "data.val_max_problems=8", "data.val_samples=2"]
+    res = _train(run, "algorithm.steps=3", "checkpoint.save_every=1", "logging.progress=true", *val)
+    assert res.returncode == 0, res.stderr[-3000:]
+    both = res.stdout + res.stderr
+    assert "\r" not in both
+    assert max(len(line) for line in both.splitlines()) < 200, max(both.splitlines(), key=len)
+    # transformers' bars (the warm-up's model saves, every load, every checkpoint) are off in the CLI.
+    assert "Loading weights" not in both and "Writing model shards" not in both
+    steps = [line for line in res.stdout.splitlines() if line.startswith("step ")]
+    assert steps[0].startswith("step 1/3: reward ") and " s/step, " in steps[0] and steps[0].endswith(" left")
+    assert steps[-1].startswith("step 3/3: ") and "val pass@1 " in steps[-1]
+    assert any(line.startswith("step 2/3: ") and "val pass@1 " in line for line in steps)  # a validation step

@@ -114,7 +114,7 @@ def test_dry_run_passes_overrides_and_container_flags_verbatim():
         ([], {}, "usage: sbatch"),
         (
             ["recipes/tiny-cpu.yaml", *ASYNC, "cluster.generation_nodes=1"],
-            {},
+            {"SLURM_NNODES": "1"},
             "the job has 1 node(s) (SLURM_NNODES) but the recipe needs 2: cluster.nodes=1 + cluster.generation_nodes=1",
         ),
         (
@@ -203,6 +203,55 @@ def test_dry_run_of_async_rollouts_names_each_role(overrides, env, layout, nodes
     assert command[-len(overrides) - len(ASYNC) - 3 :] == ["train", "--config", recipe, *ASYNC, *overrides]
 
 
+@pytest.mark.parametrize(
+    ("recipe", "assumed", "layout"),
+    [
+        # The README's line, as written: 2 nodes x 8 GPUs come from the recipe, and the log says so.
+        (
+            "recipes/disco-logl-r1qwen7b-2n8g-8k.yaml",
+            "(SLURM_NNODES=2 SLURM_GPUS_ON_NODE=8)",
+            "layout: 2 node(s) x 8 process(es) = world 16 (GPU, NCCL); policy megatron TP 2 x PP 1 x DP 8;",
+        ),
+        (
+            "recipes/disco-logl-qwen3-30ba3b-4n8g-16k.yaml",
+            "(SLURM_NNODES=4 SLURM_GPUS_ON_NODE=8)",
+            "layout: 4 node(s) x 8 process(es) = world 32 (GPU, NCCL);",
+        ),
+        # float32: the CPU demo recipe, on CPU even on a host with GPUs.
+        (
+            "recipes/tiny-cpu-async.yaml",
+            "(SLURM_NNODES=1 no GPU (policy.dtype=float32))",
+            "layout: 1 node(s) x 2 process(es) = world 2 (CPU, gloo): trainer ranks 0-0, generator ranks 1-1",
+        ),
+    ],
+    ids=["7b-2n8g", "30ba3b-4n8g", "tiny-cpu-async"],
+)
+def test_dry_run_outside_slurm_assumes_the_recipes_own_layout_and_says_so(recipe, assumed, layout):
+    env = _env(NEMO_DISCO_DRY_RUN="1")
+    del env["CUDA_VISIBLE_DEVICES"]  # as on a login node: whatever GPUs the host has do not count
+    done = subprocess.run(
+        ["bash", "slurm/train.sbatch", recipe], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert f"] dry run outside Slurm: assumed the recipe's own layout {assumed}; set SLURM_NNODES" in lines[0]
+    assert layout in done.stdout
+    assert lines[-1].endswith("] dry run: nothing started")
+    nodes, per_node = config.load(ROOT / recipe).launch_layout
+    command = shlex.split(done.stdout.split("command: ", 1)[1].splitlines()[0])
+    assert command[1:4] == [f"--nodes={nodes}", f"--ntasks={nodes * per_node}", f"--ntasks-per-node={per_node}"]
+
+
+def test_dry_run_outside_slurm_checks_what_it_is_given():
+    """SLURM_NNODES given outside Slurm is checked as in a job: only what is missing is assumed."""
+    done = _run(
+        "slurm/train.sbatch", "recipes/disco-logl-r1qwen7b-2n8g-8k.yaml", NEMO_DISCO_DRY_RUN="1", SLURM_NNODES="1"
+    )
+    assert done.returncode == 2
+    assert "the job has 1 node(s) (SLURM_NNODES) but the recipe has cluster.nodes=2" in done.stderr
+    assert "assumed the recipe's own layout (SLURM_GPUS_ON_NODE=8)" in done.stdout
+
+
 @pytest.mark.parametrize("script", ["slurm/train.sbatch", "slurm/eval.sbatch", "slurm/convert.sbatch"])
 def test_refuses_to_run_outside_slurm(script):
     done = _run(script, "recipes/tiny-cpu.yaml")
@@ -287,3 +336,22 @@ def test_max_requeues_must_be_a_count():
     done = _run("slurm/train.sbatch", "recipes/tiny-cpu.yaml", NEMO_DISCO_DRY_RUN="1", NEMO_DISCO_MAX_REQUEUES="x")
     assert done.returncode == 2
     assert done.stderr.strip() == "train.sbatch: error: NEMO_DISCO_MAX_REQUEUES=x is not a non-negative integer"
+
+
+def test_the_quickstarts_dry_run_works_as_written():
+    """docs/quickstart-cluster.md, step 3: its preview lines, pasted into bash outside Slurm."""
+    text = (ROOT / "docs" / "quickstart-cluster.md").read_text()
+    block = text.split("## 3. Preview, then submit", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    preview = "".join(
+        line + "\n" for line in block.splitlines() if not line.startswith(("mkdir", "HF_HUB", "    slurm"))
+    )
+    assert "NEMO_DISCO_DRY_RUN=1 bash slurm/train.sbatch" in preview
+    done = subprocess.run(["bash", "-c", preview], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "assumed the recipe's own layout (SLURM_NNODES=1 SLURM_GPUS_ON_NODE=8)" in done.stdout
+    command = shlex.split(done.stdout.split("command: ", 1)[1].splitlines()[0])
+    assert command[-3:] == [
+        "recipes/disco-logl-r1qwen1.5b-1n8g-8k.yaml",
+        "data.train=/lustre/data/deepscaler.jsonl",
+        "policy.model_path=/lustre/models/DeepSeek-R1-Distill-Qwen-1.5B",
+    ]

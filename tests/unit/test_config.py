@@ -128,8 +128,52 @@ def test_data_parallel_must_divide_minibatch_rollouts():
 
 def test_unknown_key_in_recipe_file_is_named(tmp_path):
     bad = _recipe(tmp_path, "bad", "defaults:\n  - disco\n  - _self_\nloss:\n  betta: 3\n")
-    with pytest.raises(ConfigError, match=r"unknown config key 'loss\.betta'"):
+    with pytest.raises(ConfigError) as err:
         config.load(bad)
+    # The file and the line that set it, and the closest key, as for a command-line override.
+    assert str(err.value) == f"{bad}:5: unknown config key 'loss.betta' (did you mean loss.beta?)"
+
+
+def test_unknown_key_is_named_in_the_inherited_recipe_that_sets_it(tmp_path):
+    (tmp_path / "mid.yaml").write_text("defaults:\n  - disco\n  - _self_\nalgorithm:\n  step: 3\nloss:\n  tau: 2\n")
+    leaf = tmp_path / "leaf.yaml"
+    leaf.write_text("defaults:\n  - mid\n  - _self_\nlosss:\n  tau: 1\n")
+    with pytest.raises(ConfigError) as err:
+        config.load(leaf)
+    message = str(err.value)
+    assert message.startswith(f"{tmp_path / 'mid.yaml'}:5: unknown config key 'algorithm.step' (did you mean ")
+    assert message.endswith("(and 1 more: losss)")
+    assert "\n" not in message
+
+
+def test_a_recipe_outside_recipes_inherits_the_shipped_ones(tmp_path):
+    """``defaults: [disco]`` in any folder: the shipped disco.yaml, unless the recipe's folder has its own."""
+    mine = tmp_path / "exp" / "my.yaml"
+    mine.parent.mkdir()
+    mine.write_text("defaults:\n  - disco\n  - _self_\nloss:\n  tau: 1.0\n")
+    cfg = config.load(mine, ["algorithm.steps=5"])
+    shipped = config.load(EXEMPLAR)
+    assert cfg.loss.tau == 1.0 and cfg.algorithm.steps == 5
+    assert cfg.loss.beta == shipped.loss.beta and cfg.policy.model_path == shipped.policy.model_path
+    # Two levels: a shipped recipe that itself inherits disco.yaml.
+    (tmp_path / "exp" / "tiny.yaml").write_text("defaults:\n  - tiny-cpu\n  - _self_\nalgorithm:\n  steps: 3\n")
+    tiny = config.load(tmp_path / "exp" / "tiny.yaml")
+    assert tiny.algorithm.steps == 3 and tiny.policy.backend == "hf" and tiny.loss.delta == shipped.loss.delta
+    # A disco.yaml beside the recipe wins over the shipped one.
+    (tmp_path / "exp" / "disco.yaml").write_text(EXEMPLAR.read_text().replace("tau: 10.0", "tau: 3.0", 1))
+    (tmp_path / "exp" / "other.yaml").write_text("defaults:\n  - disco\n  - _self_\n")
+    assert config.load(tmp_path / "exp" / "other.yaml").loss.tau == 3.0
+
+
+def test_a_missing_defaults_entry_names_where_the_loader_looked(tmp_path):
+    mine = tmp_path / "my.yaml"
+    mine.write_text("defaults:\n  - dsico\n  - _self_\n")
+    with pytest.raises(ConfigError) as err:
+        config.load(mine)
+    assert str(err.value) == (
+        f"{mine}: defaults entry 'dsico' not found: looked for dsico.yaml in {tmp_path} and "
+        f"{config.SHIPPED_RECIPES} (did you mean disco?)"
+    )
 
 
 def test_wrong_type_in_recipe_file_is_named(tmp_path):
@@ -233,3 +277,20 @@ def test_async_rollout_layouts():
     ]:
         with pytest.raises(ConfigError, match=fragment):
             load(*overrides)
+
+
+def test_the_readmes_training_examples_each_have_their_own_run_folder():
+    """Every `nemo-disco train` line of the README that runs the demo recipe writes a run folder of its own (the
+    demo's is runs/tiny-cpu): a shared folder would resume the other run, or stop on the resume guard."""
+    import re
+    import shlex
+
+    readme = (ROOT / "README.md").read_text()
+    lines = re.findall(r"nemo-disco train --config (recipes/tiny-cpu\.yaml[^`#\n]*)", readme)
+    assert len(lines) >= 2, lines
+    folders = {"make demo": config.load(ROOT / "recipes" / "tiny-cpu.yaml").logging.run_dir}
+    for line in lines:
+        recipe, *overrides = shlex.split(line)
+        run_dir = config.load(ROOT / recipe, overrides).logging.run_dir
+        assert run_dir not in folders.values(), (line, folders)
+        folders[line] = run_dir

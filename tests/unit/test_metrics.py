@@ -1,4 +1,4 @@
-"""MetricsLogger: JSONL records and the progress bar's step count."""
+"""MetricsLogger: JSONL records, the progress bar's step count, and plain step lines outside a terminal."""
 
 from __future__ import annotations
 
@@ -6,11 +6,18 @@ import json
 
 import pytest
 
-from nemo_disco.metrics import MetricsLogger
+from nemo_disco.metrics import MetricsLogger, StepLines
 
 
 def _logger(
-    tmp_path, total: int, start: int = 0, *, progress: bool = True, tensorboard: bool = False, wandb: bool = False
+    tmp_path,
+    total: int,
+    start: int = 0,
+    *,
+    progress: bool = True,
+    tensorboard: bool = False,
+    wandb: bool = False,
+    terminal: bool = True,
 ) -> MetricsLogger:
     """The rank-0 logger of a run; tests vary its progress bar and sinks."""
     return MetricsLogger(
@@ -22,6 +29,7 @@ def _logger(
         total_steps=total,
         start_step=start,
         progress=progress,
+        terminal=terminal,
     )
 
 
@@ -43,6 +51,37 @@ def test_a_resumed_run_counts_from_its_checkpoint_step(tmp_path):
     logger.log(7, {})
     assert logger._bar.n == 7
     logger.close()
+
+
+def test_outside_a_terminal_progress_is_plain_lines(tmp_path, capsys):
+    logger = _logger(tmp_path, total=3, terminal=False)
+    assert logger._bar is None
+    logger.log(0, {"val/pass@1": 0.25})  # before training: no step line
+    logger.log(1, {"train/reward_mean": 0.5, "train/kl": 2e-5})
+    logger.log(2, {"train/reward_mean": 0.25})  # under 10 s after the previous line: none
+    logger.log(3, {"train/reward_mean": 0.75, "val/pass@1": 0.5})  # the last step: always
+    logger.close()
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("step 1/3: reward 0.500, kl 2.0e-05; ") and lines[0].endswith(" left")
+    assert lines[1].startswith("step 3/3: reward 0.750, kl nan, val pass@1 0.500; ")
+    assert lines[1].endswith(", 0 s left")
+
+
+def test_step_lines_every_n_seconds_and_at_validations(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr("nemo_disco.metrics.time.monotonic", lambda: clock[0])
+    lines = StepLines(total_steps=100, start_step=40, every_s=10.0)  # a run resumed at step 40
+    printed = []
+    for step in range(41, 61):
+        clock[0] += 3.0  # 3 s per step
+        if lines.line(step, {"val/pass@1": 0.5} if step == 50 else {}) is not None:
+            printed.append(step)
+    # The first step, then every 4th step (12 s >= 10 s), and step 50 for its validation.
+    assert printed == [41, 45, 49, 50, 54, 58]
+    assert lines.line(61, {}) is None  # t = 160, 6 s after step 58's line
+    clock[0] += 6.0  # t = 166: 66 s for 22 steps since the resume, 38 steps to go
+    assert lines.line(62, {}) == "step 62/100: reward nan, kl nan; 3.00 s/step, 114 s left"
 
 
 def _records(tmp_path) -> list[dict]:

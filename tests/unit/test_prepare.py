@@ -158,6 +158,26 @@ def test_drop_overlap_strict_and_grader(tmp_path):
     assert report.kept == 7 and report.grader is None
 
 
+def test_what_each_grader_does_with_unbalanced_braces(tmp_path):
+    r"""docs/data.md's table, pinned: math-verify 0.9.0 keeps answers with unbalanced braces (it repairs some and
+    compares others as strings); only a lone ``}`` fails its check. The DeepScaleR grader refuses them all."""
+    from nemo_disco.rewards import score_response
+
+    answers = ["x}", "{{", "\\frac{1}{2", "\\sqrt{", "}", "2"]
+    src = _write([{"problem": f"p{i}", "answer": a} for i, a in enumerate(answers)], tmp_path / "b.json")
+    kept = prepare(str(src), tmp_path / "mv.jsonl", grader="math_verify", workers=1)
+    assert [r["answer"] for r in _lines(tmp_path / "mv.jsonl")] == [*answers[:4], "2"] and kept.kept == 5
+    refused = prepare(str(src), tmp_path / "ds.jsonl", grader="deepscaler", workers=1)
+    assert refused.kept == 1 and refused.skipped["answer not verifiable by the grader"] == 5
+    # Repaired: the stray brace is dropped, the fraction closed; a response with the intended answer is right.
+    assert score_response("\\boxed{x}", "x}") == 1.0
+    assert score_response("\\boxed{0.5}", "\\frac{1}{2") == 1.0
+    # Compared as strings: only a response repeating the broken text matches, so the question never has a positive.
+    assert (
+        score_response("\\boxed{\\sqrt{2}}", "\\sqrt{") == 0.0 and score_response("\\boxed{\\sqrt{}", "\\sqrt{") == 1.0
+    )
+
+
 def test_custom_columns(tmp_path):
     rows = [{"question": "What is 6*7?", "final": 42}, {"question": "Half of 3?", "final": 1.5}]
     src = _write(rows, tmp_path / "custom.parquet")
