@@ -26,7 +26,7 @@ Departures from the paper: the objective averages over ALL questions of the mini
 with no positive or no negative add 0; Algorithm 1 is undefined for them); the first update of the
 first step has a non-zero learning rate.
 
-Departures from the authors' code (reference/official-code-notes.md), each reproducible:
+Departures from the authors' code (docs/departures.md, with the keys that reproduce them):
 the loss is the mini-batch objective, not a per-micro-batch one (the code groups and normalises per
 micro-batch of 4 questions); the constraint gradient is the paper's 2*beta*(KL-delta)_+ (the code's
 is half: ``loss.official_compat=true``); the logged objective is the true value (the code logs a
@@ -429,7 +429,8 @@ def train_step(tr: Trainer) -> dict[str, float]:
                         tr.logger.write(f"step {tr.step + 1} update {m}: non-finite gradient; update skipped")
                 update_metrics.append(res.metrics)
         if plans != tr.update_plans:
-            tr.logger.write(f"step {tr.step + 1}: " + "; ".join(plans))
+            for line in _plan_lines(plans):
+                tr.logger.write(f"step {tr.step + 1}: {line}")
             tr.update_plans = plans
     if skip:  # the first mini-batch's old log-probs came from its one pass
         old = _gather_rows(old_local, policy, num_mb)
@@ -446,6 +447,18 @@ def train_step(tr: Trainer) -> dict[str, float]:
     metrics["update/forward_passes"] = forwards
     metrics["update/one_pass_updates"] = float(one_pass)
     return metrics
+
+
+def _plan_lines(plans: list[str]) -> list[str]:
+    """The update plans of a step, one line per run of equal plans (``update 0: ...``, ``updates 1-3: ...``)."""
+    lines, start = [], 0
+    bodies = [p.split(": ", 1)[1] for p in plans]
+    for m in range(1, len(plans) + 1):
+        if m == len(plans) or bodies[m] != bodies[start]:
+            which = f"update {start}" if m - start == 1 else f"updates {start}-{m - 1}"
+            lines.append(f"{which}: {bodies[start]}")
+            start = m
+    return lines
 
 
 def _step_metrics(

@@ -388,6 +388,11 @@ def _broadcast_object_pg(pg: Any, obj: object, root: int) -> Any:
     return obj if pg.rank() == root else pickle.loads(payload.numpy().tobytes())
 
 
+def new_gloo_group(timeout_minutes: int) -> Any:
+    """A gloo group over every process of the default group (host-side coordination with its own timeout)."""
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=timeout_minutes))
+
+
 def is_initialized() -> bool:
     """Whether a default process group exists."""
     return dist.is_initialized()

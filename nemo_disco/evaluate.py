@@ -1120,16 +1120,12 @@ def _prepare_out(out: Path, settings: dict[str, Any], overwrite: bool) -> None:
 
 def _eval_group(world: int) -> Any:
     """A gloo group over every process for the evaluation's own coordination (long timeout: shares differ)."""
-    import datetime
-
-    import torch.distributed as dist
-
     from nemo_disco import distributed
 
     if world == 1:
         return None
     distributed.init(timeout_minutes=_WAIT_MINUTES)
-    return dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=_WAIT_MINUTES))
+    return distributed.new_gloo_group(_WAIT_MINUTES)
 
 
 def evaluate_model(

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -403,7 +404,7 @@ def test_output_that_is_not_a_terminal_gets_plain_step_lines(tmp_path):
     assert max(len(line) for line in both.splitlines()) < 200, max(both.splitlines(), key=len)
     # transformers' bars (the warm-up's model saves, every load, every checkpoint) are off in the CLI.
     assert "Loading weights" not in both and "Writing model shards" not in both
-    steps = [line for line in res.stdout.splitlines() if line.startswith("step ")]
+    steps = [line for line in res.stdout.splitlines() if re.match(r"step \d+/\d+: ", line)]  # not the plan lines
     assert steps[0].startswith("step 1/3: reward ") and " s/step, " in steps[0] and steps[0].endswith(" left")
     assert steps[-1].startswith("step 3/3: ") and "val pass@1 " in steps[-1]
     assert any(line.startswith("step 2/3: ") and "val pass@1 " in line for line in steps)  # a validation step

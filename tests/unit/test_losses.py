@@ -830,7 +830,7 @@ def test_stats_do_not_depend_on_padding_width() -> None:
 
 
 def _authors_loss(score: str, lp, old, mask, gids, rewards, *, tau: float, beta: float, delta: float, basic: bool):
-    """The loss as official-code-notes.md describes core_algos.py (k1 KL, reward == 1 / == 0, divisor = all ids)."""
+    """The authors' core_algos.py loss (docs/departures.md): k1 KL, reward == 1 / == 0, divisor = all ids."""
     m = mask.to(DT)
     lp0, old0 = torch.where(mask, lp, 0.0), torch.where(mask, old, 0.0)
     K = ((old0 - lp0) * m).sum() / m.sum()
