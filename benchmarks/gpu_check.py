@@ -164,11 +164,11 @@ def toolchain_warnings(env: dict[str, Any]) -> list[str]:
 
 def te_for_bf16() -> tuple[bool, str]:
     """Whether the bf16 stages build Transformer Engine (it imports on CUDA), and why: set explicitly, never "auto"."""
-    from nemo_disco.policy import megatron as mp
+    from nemo_disco.policy import megatron_model as mm
 
     if not _cuda():
         return False, "no CUDA"
-    err = mp.te_import_error()
+    err = mm.te_import_error()
     return (err is None), ("transformer_engine imports" if err is None else err)
 
 
@@ -196,10 +196,10 @@ def environment() -> dict[str, Any]:
         info["device"] = {"name": p.name, "capability": f"{p.major}.{p.minor}", "memory_gib": p.total_memory / 2**30}
     else:
         info["device"] = {"name": "cpu"}
-    from nemo_disco.policy import megatron as mp
+    from nemo_disco.policy import megatron_model as mm
 
-    info["transformer_engine_import_error"] = mp.te_import_error() if _cuda() else "not tried (no CUDA)"
-    info["fusions_on_this_machine"] = mp.fusion_flags(_cuda(), use_te=False)
+    info["transformer_engine_import_error"] = mm.te_import_error() if _cuda() else "not tried (no CUDA)"
+    info["fusions_on_this_machine"] = mm.fusion_flags(_cuda(), use_te=False)
     info["torch_compile"] = compile_toolchain()
     return info
 
@@ -326,10 +326,10 @@ def stage_collectives(args: argparse.Namespace) -> dict[str, Any]:
 
     from nemo_disco import distributed
     from nemo_disco.policy import cpu_compat
-    from nemo_disco.policy import megatron as mp
+    from nemo_disco.policy import megatron_model as mm
 
     cpu_compat.apply()
-    mp.init_parallel(1, 1)
+    mm.init_parallel(1, 1)
     from megatron.core import parallel_state as ps
 
     dp = ps.get_data_parallel_group()
@@ -373,7 +373,8 @@ def stage_collectives(args: argparse.Namespace) -> dict[str, Any]:
 def _parity_one(
     model_dir: Path, dtype: str, use_te: bool, batch: Any, ref: dict[str, Any], run_dir: Path
 ) -> dict[str, Any]:
-    from nemo_disco.policy.megatron import LAYER_SPECS, MegatronPolicy
+    from nemo_disco.policy.megatron import MegatronPolicy
+    from nemo_disco.policy.megatron_model import LAYER_SPECS
 
     over = {"policy.dtype": dtype, "policy.transformer_engine": use_te}
     policy = MegatronPolicy(run_config(model_dir, run_dir, **over), model_dir)
@@ -506,7 +507,8 @@ def _moe_one(
 ) -> dict[str, Any]:
     """One Qwen3-MoE policy: device placement, log-prob parity, one update, the exported weights."""
     torch = _torch()
-    from nemo_disco.policy.megatron import LAYER_SPECS, MegatronPolicy
+    from nemo_disco.policy.megatron import MegatronPolicy
+    from nemo_disco.policy.megatron_model import LAYER_SPECS
 
     over = {"policy.dtype": dtype, "policy.transformer_engine": use_te, "policy.lr": 1e-3}
     policy = MegatronPolicy(run_config(model_dir, run_dir, **over), model_dir)

@@ -408,7 +408,8 @@ def scenario_router(args: argparse.Namespace, world: int, rank: int) -> dict:
     with c = 0 must equal c x d(sum over layers of the loss)/d theta (one micro-batch, one rank).
     """
     from nemo_disco import weights
-    from nemo_disco.policy.megatron import MegatronPolicy, is_router
+    from nemo_disco.policy.megatron import MegatronPolicy
+    from nemo_disco.policy.megatron_moe import is_router
 
     model_dir = Path(args.models[0])
     batch = make_batch()
@@ -465,7 +466,7 @@ def scenario_gpu(args: argparse.Namespace, world: int, rank: int) -> dict:
     model_dir = Path(args.models[0])
     batch = make_batch()
     ref = hf_reference(model_dir, batch)
-    from nemo_disco.policy.megatron import te_import_error
+    from nemo_disco.policy.megatron_model import te_import_error
 
     te = "auto" if te_import_error() is None else False  # auto stops a 16-bit GPU run without TE
     over = {"policy.dtype": "bfloat16", "policy.use_distributed_optimizer": True, "policy.transformer_engine": te}
@@ -513,6 +514,7 @@ def scenario_gpu_rules(args: argparse.Namespace, world: int, rank: int) -> dict:
 
     from nemo_disco.policy import cpu_compat
     from nemo_disco.policy import megatron as mp
+    from nemo_disco.policy import megatron_model as mm
 
     model_dir = Path(args.models[0])
     batch = make_batch()
@@ -533,7 +535,7 @@ def scenario_gpu_rules(args: argparse.Namespace, world: int, rank: int) -> dict:
     # Fusion flags against mcore's constructors: the old gradient_accumulation_fusion=use_te on a GPU without
     # apex raises in the output layer's constructor; the flags fusion_flags gives such a GPU build.
     try:
-        mp.build_gpt_model(
+        mm.build_gpt_model(
             policy.spec,
             dataclasses.replace(policy.tf_config, gradient_accumulation_fusion=True),
             policy.padded_vocab,
@@ -542,18 +544,18 @@ def scenario_gpu_rules(args: argparse.Namespace, world: int, rank: int) -> dict:
         res["old_grad_acc_fusion_error"] = ""
     except RuntimeError as err:
         res["old_grad_acc_fusion_error"] = str(err)
-    flags = mp.fusion_flags(on_gpu=True, use_te=True)
+    flags = mm.fusion_flags(on_gpu=True, use_te=True)
     res["gpu_flags"] = flags
     new_cfg = dataclasses.replace(
         policy.tf_config, **{k: flags[k] for k in ("gradient_accumulation_fusion", "masked_softmax_fusion")}
     )
-    res["new_flags_build"] = mp.build_gpt_model(policy.spec, new_cfg, policy.padded_vocab, False) is not None
+    res["new_flags_build"] = mm.build_gpt_model(policy.spec, new_cfg, policy.padded_vocab, False) is not None
 
     # Cross-spec loads. A Transformer Engine model also asks for _extra_state objects (its core attention's)
     # that a local-spec checkpoint lacks, and a TE checkpoint holds ones a local model does not ask for.
     te_extra = "decoder.layers.self_attention.core_attention._extra_state"
     local_dir = Path(args.out) / "local_ckpt"
-    mp.save_model_checkpoint(policy.gpt, local_dir)
+    mm.save_model_checkpoint(policy.gpt, local_dir)
     target = mp.MegatronPolicy(cfg, model_dir, vocab_multiple=args.vocab_multiple, trainable=False).gpt
     with torch.no_grad():
         for p in target.parameters():
@@ -567,19 +569,19 @@ def scenario_gpu_rules(args: argparse.Namespace, world: int, rank: int) -> dict:
 
     target.sharded_state_dict = te_like
     try:
-        mp.load_model_checkpoint(target, local_dir)
+        mm.load_model_checkpoint(target, local_dir)
         res["te_loads_local"] = all(
             torch.equal(a, b) for a, b in zip(target.parameters(), policy.gpt.parameters(), strict=True)
         )
     except Exception as err:  # noqa: BLE001
         res["te_loads_local"] = f"{type(err).__name__}: {err}"
     te_dir = Path(args.out) / "te_ckpt"
-    mp.save_model_checkpoint(target, te_dir)
+    mm.save_model_checkpoint(target, te_dir)
     target.sharded_state_dict = plain_sd
     with torch.no_grad():
         for p in target.parameters():
             p.zero_()
-    mp.load_model_checkpoint(target, te_dir)
+    mm.load_model_checkpoint(target, te_dir)
     res["local_loads_te"] = all(
         torch.equal(a, b) for a, b in zip(target.parameters(), policy.gpt.parameters(), strict=True)
     )
@@ -592,7 +594,7 @@ def scenario_gpu_rules(args: argparse.Namespace, world: int, rank: int) -> dict:
 
     target.sharded_state_dict = missing_weight
     try:
-        mp.load_model_checkpoint(target, local_dir)
+        mm.load_model_checkpoint(target, local_dir)
         res["missing_weight_error"] = ""
     except ValueError as err:
         res["missing_weight_error"] = str(err)
