@@ -15,24 +15,12 @@ from pathlib import Path
 import torch
 
 from nemo_disco import distributed, files, weights
-from nemo_disco.batch import RolloutBatch, pack_questions
+from nemo_disco.batch import RolloutBatch, split_microbatches
 from nemo_disco.config import RunConfig
 from nemo_disco.policy.base import SurrogateFn
 from nemo_disco.policy.schedule import lr_at
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def microbatches(batch: RolloutBatch, max_tokens: int) -> list[torch.Tensor]:
-    """Row indices of consecutive micro-batches of at most ``max_tokens`` padded tokens (at least one row each).
-
-    A question's rollouts (a run of equal ``group_ids``) stay in one micro-batch wherever they fit the budget
-    together, so that a loss coupling only the rollouts of a question is exact in one pass
-    (:mod:`nemo_disco.update`); a question that does not fit alone is split row by row.
-    """
-    width = batch.prompt_ids.shape[1] + batch.response_ids.shape[1]
-    rows = max(1, max_tokens // max(width, 1))
-    return pack_questions(batch.group_ids, lambda start, stop: stop - start <= rows)
 
 
 def response_logprobs(
@@ -122,14 +110,14 @@ class HFPolicy:
 
     def microbatch_rows(self, batch: RolloutBatch) -> list[torch.Tensor]:
         """Row indices of the micro-batches :meth:`train_minibatch` runs ``batch`` in (see ``Policy``)."""
-        return microbatches(batch, self.cfg.policy.microbatch_tokens)
+        return split_microbatches(batch, self.cfg.policy.microbatch_tokens, "batch_width")
 
     @torch.no_grad()
     def logprobs(self, batch: RolloutBatch, *, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-token log-probs (and entropy) of ``batch.response_ids``, [N, R] float32 on CPU."""
         self.model.eval()
         lps, ents = [], []
-        for rows in microbatches(batch, self.cfg.policy.microbatch_tokens):
+        for rows in self.microbatch_rows(batch):
             lp, ent = self._forward(batch.select(rows), entropy)
             lps.append(lp.cpu())
             if ent is not None:

@@ -9,7 +9,8 @@ Layout and parallelism:
     (THD, no padding); otherwise the local layer spec runs on a padded batch with an explicit attention mask
     (mcore's own causal mask is built on CUDA). On CPU ``cpu_compat`` patches the CUDA assumptions.
   - Every sequence is laid out from position 0 (``nemo_disco.policy.megatron_layout``), so positions and RoPE
-    angles match Hugging Face's forward exactly.
+    angles match Hugging Face's forward exactly; rows are grouped into micro-batches by
+    ``nemo_disco.batch.split_microbatches``.
   - Families: Qwen2 / Qwen2.5, Llama 3.x, Qwen3 (q / k norms, head_dim from the config) and Qwen3-MoE
     (``nemo_disco.weights``). MoE layers split their experts over ``policy.expert_parallel_size`` ranks of a
     pipeline stage (expert tensor parallelism 1; the all-to-all token dispatcher, which runs on CPU with gloo
@@ -62,12 +63,12 @@ from typing import Any
 import torch
 
 from nemo_disco import distributed, weights
-from nemo_disco.batch import RolloutBatch
+from nemo_disco.batch import RolloutBatch, split_microbatches
 from nemo_disco.config import RunConfig
 from nemo_disco.policy import cpu_compat
 from nemo_disco.policy.base import SurrogateFn
 from nemo_disco.policy.logprobs import token_logprobs
-from nemo_disco.policy.megatron_layout import MicroBatch, prepare_microbatch, split_microbatches
+from nemo_disco.policy.megatron_layout import MicroBatch, prepare_microbatch
 from nemo_disco.policy.megatron_model import (
     DTYPES,
     LAYER_SPECS,
@@ -308,7 +309,7 @@ class MegatronPolicy:
 
     def microbatch_rows(self, batch: RolloutBatch) -> list[torch.Tensor]:
         """Row indices of the micro-batches :meth:`train_minibatch` runs ``batch`` in (see ``Policy``)."""
-        return split_microbatches(batch, self.cfg.policy.microbatch_tokens, self.packed)
+        return split_microbatches(batch, self.cfg.policy.microbatch_tokens, "packed" if self.packed else "trimmed")
 
     def _microbatches(self, batch: RolloutBatch) -> list[MicroBatch]:
         groups = self.microbatch_rows(batch)

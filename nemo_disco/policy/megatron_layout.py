@@ -1,7 +1,8 @@
 """How the Megatron policy lays out a micro-batch for the model: padded with an explicit mask, or packed (THD).
 
 Every sequence is laid out from position 0 (prompt then response, padding after it), as the generator sees it,
-so positions and RoPE angles match Hugging Face's forward exactly.
+so positions and RoPE angles match Hugging Face's forward exactly. Which rows form a micro-batch is
+:func:`nemo_disco.batch.split_microbatches`'s choice.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any
 
 import torch
 
-from nemo_disco.batch import RolloutBatch, pack_questions
+from nemo_disco.batch import RolloutBatch
 
 
 @dataclass
@@ -33,22 +34,6 @@ class MicroBatch:
 
 def _row_lengths(batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
     return batch.prompt_mask.sum(1), batch.response_mask.sum(1)
-
-
-def split_microbatches(batch: RolloutBatch, max_tokens: int, packed: bool) -> list[torch.Tensor]:
-    """Consecutive row groups whose model input fits ``max_tokens`` tokens (at least one row each).
-
-    Padded layout: rows x (longest prompt + longest response) of the group; packed: the sum of real lengths.
-    A question's rollouts stay together wherever they fit (``batch.pack_questions``; nemo_disco.update).
-    """
-    p_len, r_len = _row_lengths(batch)
-
-    def fits(start: int, stop: int) -> bool:
-        if packed:
-            return int((p_len[start:stop] + r_len[start:stop]).sum()) <= max_tokens
-        return (stop - start) * (int(p_len[start:stop].max()) + int(r_len[start:stop].max())) <= max_tokens
-
-    return pack_questions(batch.group_ids, fits)
 
 
 def prepare_microbatch(

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nemo_disco.batch import collate
-from nemo_disco.policy.megatron_layout import prepare_microbatch, split_microbatches
+from nemo_disco.policy.megatron_layout import prepare_microbatch
 
 
 def _batch():
@@ -45,16 +45,6 @@ def test_packed_layout_concatenates_real_tokens():
     assert mb.packed.cu_seqlens_q.tolist() == [0, 5, 7, 10] and mb.packed.max_seqlen_q == 5
     assert mb.attention_mask is None
     assert mb.response_index[1, 0].item() == 5  # row 1 starts at 5; its prompt (1 token) predicts 24 there
-
-
-def test_microbatches_by_token_budget():
-    batch = _batch()  # prompt / response lengths (2, 3), (1, 1), (3, 0)
-    # Padded: rows 0+1 cost 2 x (2 + 3) = 10 tokens; adding row 2 costs 3 x (3 + 3) = 18 > 12.
-    assert [g.tolist() for g in split_microbatches(batch, 12, packed=False)] == [[0, 1], [2]]
-    # Packed: real tokens 5 + 2 = 7 <= 8, + 3 = 10 > 8.
-    assert [g.tolist() for g in split_microbatches(batch, 8, packed=True)] == [[0, 1], [2]]
-    # A budget below one row still gives one row per micro-batch.
-    assert [g.tolist() for g in split_microbatches(batch, 1, packed=False)] == [[0], [1], [2]]
 
 
 def test_empty_prompt_is_refused():
