@@ -31,13 +31,13 @@ from nemo_disco.policy import cpu_compat
 from nemo_disco.policy import megatron_model as mm
 
 HF_POLICY_STATE = "policy_state.json"
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_DTYPE_NAMES = {dtype: name for name, dtype in weights.DTYPES.items()}
 
 
 def _hf_dtype(config: dict) -> str:
     name = config.get("dtype") or config.get("torch_dtype") or "float32"
-    if name not in mm.DTYPES:
-        raise ValueError(f"config.json: dtype={name!r} is not one of {sorted(mm.DTYPES)}")
+    if name not in weights.DTYPES:
+        raise ValueError(f"config.json: dtype={name!r} is not one of {sorted(weights.DTYPES)}")
     return name
 
 
@@ -80,7 +80,9 @@ def hf_to_megatron(
     run_tp, run_pp = (tp, pp) if world % (tp * pp) == 0 else (1, 1)  # the layout the processes can form
     mm.init_parallel(run_tp, run_pp, ep=1 if spec.is_moe else None)
     padded = weights.padded_vocab_size(spec.vocab_size, tp, vocab_multiple)
-    config = mm.transformer_config(spec, tp=run_tp, pp=run_pp, dtype=mm.DTYPES[dtype], use_te=False, recompute=False)
+    config = mm.transformer_config(
+        spec, tp=run_tp, pp=run_pp, dtype=weights.DTYPES[dtype], use_te=False, recompute=False
+    )
     model = mm.build_gpt_model(spec, config, padded, use_te=False)
     mm.load_hf_weights(model, hf_dir, spec, padded)
     if distributed.rank() == 0:
@@ -255,7 +257,7 @@ def megatron_to_hf(checkpoint_dir: str | Path, out_dir: str | Path, config: RunC
     if config is None:
         config = _run_config(policy_dir)
     spec = weights.ModelSpec.from_dir(policy_dir)
-    dtype = mm.DTYPES[meta["dtype"]]
+    dtype = weights.DTYPES[meta["dtype"]]
     cpu_compat.apply()
     mm.init_parallel(1, 1, ep=1 if spec.is_moe else None)
     tf_config = mm.transformer_config(spec, tp=1, pp=1, dtype=dtype, use_te=False, recompute=False)

@@ -20,8 +20,6 @@ from nemo_disco.config import RunConfig
 from nemo_disco.policy.base import SurrogateFn
 from nemo_disco.policy.schedule import lr_at
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def response_logprobs(
     logits: torch.Tensor, batch: RolloutBatch, temperature: float, entropy: bool
@@ -63,7 +61,7 @@ class HFPolicy:
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         self.device = self.device or torch.device("cpu")
         self.model = AutoModelForCausalLM.from_pretrained(
-            str(model_dir), dtype=_DTYPES[cfg.policy.dtype], attn_implementation="sdpa"
+            str(model_dir), dtype=weights.DTYPES[cfg.policy.dtype], attn_implementation="sdpa"
         ).to(self.device)
         if cfg.policy.activation_checkpointing:
             enable = (

@@ -70,7 +70,6 @@ from nemo_disco.policy.base import SurrogateFn
 from nemo_disco.policy.logprobs import token_logprobs
 from nemo_disco.policy.megatron_layout import MicroBatch, prepare_microbatch
 from nemo_disco.policy.megatron_model import (
-    DTYPES,
     LAYER_SPECS,
     build_gpt_model,
     init_parallel,
@@ -141,7 +140,7 @@ class MegatronPolicy:
         self.cfg = cfg
         self.model_dir = Path(model_dir)
         self.on_gpu = torch.cuda.is_available()
-        self.dtype = DTYPES[pc.dtype]
+        self.dtype = weights.DTYPES[pc.dtype]
         self.tp, self.pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
         self.spec = weights.ModelSpec.from_dir(self.model_dir)
         self.ep = pc.expert_parallel_size

@@ -34,7 +34,6 @@ import torch
 from nemo_disco import distributed, files, weights
 from nemo_disco.policy import cpu_compat
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CHECKPOINT_META = "megatron.json"
 CHECKPOINT_FORMAT = "nemo_disco.megatron/1"
 TOKENIZER_FILES = files.TOKENIZER_FILES  # copied next to the weights, so a checkpoint is a complete model
