@@ -6,7 +6,6 @@ import torch
 from nemo_disco import config
 from nemo_disco.batch import collate
 from nemo_disco.policy.hf import HFPolicy
-from nemo_disco.policy.schedule import lr_at
 
 torch.set_num_threads(1)
 
@@ -118,14 +117,3 @@ def test_save_load_round_trip(tiny_qwen2, tmp_path):
         p_.train_minibatch(_batch(seed=3), lambda rows, lp, ent: -lp.sum())
     for (n, a), (_, b) in zip(policy.export_weights(), other.export_weights(), strict=True):
         assert torch.equal(a, b), n
-
-
-def test_lr_schedule_never_starts_at_zero():
-    pc = _cfg(**{"policy.warmup_updates": 0}).policy
-    assert lr_at(0, pc, 100) == pc.lr  # the authors' warmup-0 schedule gives 0 here
-    pc = _cfg(**{"policy.warmup_updates": 4}).policy
-    assert [lr_at(u, pc, 100) for u in range(5)] == pytest.approx([pc.lr * k / 4 for k in (1, 2, 3, 4, 4)])
-    pc = _cfg(**{"policy.lr_schedule": "cosine", "policy.min_lr_ratio": 0.1}).policy
-    assert lr_at(0, pc, 100) == pytest.approx(pc.lr)
-    assert lr_at(50, pc, 100) == pytest.approx(pc.lr * (0.1 + 0.9 * 0.5))
-    assert lr_at(100, pc, 100) == pytest.approx(pc.lr * 0.1)
