@@ -377,7 +377,7 @@ def _parity_one(
     from nemo_disco.policy.megatron_model import LAYER_SPECS
 
     over = {"policy.dtype": dtype, "policy.transformer_engine": use_te}
-    policy = MegatronPolicy(run_config(model_dir, run_dir, **over), model_dir)
+    policy = MegatronPolicy.from_run_config(run_config(model_dir, run_dir, **over), model_dir)
     t0 = time.perf_counter()
     lp, ent = policy.logprobs(batch, entropy=True)
     _sync()
@@ -445,7 +445,7 @@ def stage_grad_step(args: argparse.Namespace) -> dict[str, Any]:
         "policy.adam_eps": 1e-3,  # a smooth first Adam step (tiny gradient components would amplify rounding)
         "policy.grad_clip": 0.5,
     }
-    policy = MegatronPolicy(run_config(model_dir, root / "run", **over), model_dir)
+    policy = MegatronPolicy.from_run_config(run_config(model_dir, root / "run", **over), model_dir)
     coef = coefficients(len(batch))
     ref = hf_reference(model_dir, batch, grads=True)
     policy.accumulate_gradients(batch, surrogate(coef), entropy=True)
@@ -511,7 +511,7 @@ def _moe_one(
     from nemo_disco.policy.megatron_model import LAYER_SPECS
 
     over = {"policy.dtype": dtype, "policy.transformer_engine": use_te, "policy.lr": 1e-3}
-    policy = MegatronPolicy(run_config(model_dir, run_dir, **over), model_dir)
+    policy = MegatronPolicy.from_run_config(run_config(model_dir, run_dir, **over), model_dir)
     off_built = _off_device(policy)  # mcore builds the MoE router on the host
     lp, ent = policy.logprobs(batch, entropy=True)
     mask = batch.response_mask
@@ -634,7 +634,7 @@ def stage_offload_checkpoint(args: argparse.Namespace) -> dict[str, Any]:
         }
         cfg = run_config(model_dir, root / "run", **over)
         before = _allocated()
-        policy = MegatronPolicy(cfg, model_dir)
+        policy = MegatronPolicy.from_run_config(cfg, model_dir)
         policy.train_minibatch(batch, surrogate(coef), entropy=True)  # optimizer state exists from here on
         r: dict[str, Any] = {
             "layer_spec": policy.layer_spec,
@@ -650,7 +650,7 @@ def stage_offload_checkpoint(args: argparse.Namespace) -> dict[str, Any]:
         ckpt = root / f"ckpt_{dist_opt}"
         lp_saved, _ = policy.logprobs(batch)
         policy.save(ckpt)
-        other = MegatronPolicy(cfg, model_dir)
+        other = MegatronPolicy.from_run_config(cfg, model_dir)
         other.load(ckpt)
         r["checkpoint_logprobs_equal"] = bool(torch.equal(other.logprobs(batch)[0], lp_saved))
         r["checkpoint_updates"] = other.updates
@@ -670,7 +670,7 @@ def stage_offload_checkpoint(args: argparse.Namespace) -> dict[str, Any]:
         if _cuda():
             torch.cuda.empty_cache()
     before = _allocated()
-    ref_policy = MegatronPolicy(
+    ref_policy = MegatronPolicy.from_run_config(
         run_config(model_dir, root / "run", **{"policy.dtype": "bfloat16", "policy.transformer_engine": te}),
         model_dir,
         trainable=False,
@@ -693,11 +693,11 @@ def _te_cross_spec(model_dir: Path, root: Path, batch: Any) -> dict[str, Any]:
     if not te:
         return {"status": "skipped", "why": why}
     te_over = {"policy.dtype": "bfloat16", "policy.transformer_engine": True}
-    te = mp.MegatronPolicy(run_config(model_dir, root / "run", **te_over), model_dir)
+    te = mp.MegatronPolicy.from_run_config(run_config(model_dir, root / "run", **te_over), model_dir)
     te.save(root / "te_ckpt")
     lp_te, _ = te.logprobs(batch)
     local_over = {"policy.dtype": "bfloat16", "policy.transformer_engine": False}
-    local = mp.MegatronPolicy(run_config(model_dir, root / "run", **local_over), model_dir)
+    local = mp.MegatronPolicy.from_run_config(run_config(model_dir, root / "run", **local_over), model_dir)
     local.load(root / "te_ckpt")
     lp_local, _ = local.logprobs(batch)
     local.save(root / "local_ckpt")

@@ -64,9 +64,9 @@ import torch
 
 from nemo_disco import distributed, weights
 from nemo_disco.batch import RolloutBatch, split_microbatches
-from nemo_disco.config import RunConfig
+from nemo_disco.config import PolicyConfig, RunConfig
 from nemo_disco.policy import cpu_compat
-from nemo_disco.policy.base import SurrogateFn
+from nemo_disco.policy.base import RunValues, SurrogateFn
 from nemo_disco.policy.logprobs import token_logprobs
 from nemo_disco.policy.megatron_layout import MicroBatch, prepare_microbatch
 from nemo_disco.policy.megatron_model import (
@@ -116,8 +116,9 @@ class MegatronPolicy:
 
     def __init__(
         self,
-        cfg: RunConfig,
+        pc: PolicyConfig,
         model_dir: str | Path,
+        run: RunValues,
         *,
         vocab_multiple: int | None = None,
         trainable: bool = True,
@@ -125,9 +126,10 @@ class MegatronPolicy:
         """Build the model from an HF folder or a Megatron policy directory.
 
         Args:
-            cfg: the run config (``policy.*``, ``generation.temperature``, ``algorithm.seed``).
+            pc: the ``policy`` section of the run config.
             model_dir: an HF folder (config.json + safetensors) or a directory written by :meth:`save` /
                 ``nemo_disco.convert.hf_to_megatron`` (its weights only; the optimizer starts fresh).
+            run: the run values the policy needs (seed, temperature, total updates, refit bucket size).
             vocab_multiple: pad the vocabulary to a multiple of lcm(this, TP) (Megatron's
                 ``make_vocab_size_divisible_by``); default: the checkpoint's, else 128.
             trainable: False builds a forward-only model (a reference policy): no gradient buffers, no
@@ -136,8 +138,8 @@ class MegatronPolicy:
         cpu_compat.apply()
         from megatron.core import parallel_state as ps
 
-        pc = cfg.policy
-        self.cfg = cfg
+        self.pc = pc
+        self.run = run
         self.model_dir = Path(model_dir)
         self.on_gpu = torch.cuda.is_available()
         self.dtype = weights.DTYPES[pc.dtype]
@@ -151,7 +153,7 @@ class MegatronPolicy:
                 f"policy.expert_parallel_size={self.ep} needs a mixture-of-experts model; {self.model_dir} is "
                 f"{self.spec.architecture} (dense)"
             )
-        init_parallel(self.tp, self.pp, cfg.algorithm.seed, ep=self.ep if self.spec.is_moe else None)
+        init_parallel(self.tp, self.pp, run.seed, ep=self.ep if self.spec.is_moe else None)
         # After init: under torchrun / srun it selects this process's GPU.
         self.device = model_device()
         from_checkpoint = is_checkpoint_dir(self.model_dir)
@@ -161,7 +163,7 @@ class MegatronPolicy:
         self.use_te = use_transformer_engine(pc.transformer_engine, pc.dtype)
         self.layer_spec = LAYER_SPECS[0] if self.use_te else LAYER_SPECS[1]
         self.packed = self.use_te  # THD packing needs TE attention
-        self.temperature = cfg.generation.temperature
+        self.temperature = run.temperature
         recompute = pc.activation_checkpointing
         self.tf_config = transformer_config(
             self.spec,
@@ -202,7 +204,7 @@ class MegatronPolicy:
                 p.requires_grad_(False)
             self.model, self.optimizer = self.gpt, None
         self.updates = 0
-        self.total_updates = cfg.algorithm.steps * cfg.updates_per_step
+        self.total_updates = run.total_updates
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.pp_group = ps.get_pipeline_model_parallel_group()
         self.dp_group = ps.get_data_parallel_group()
@@ -214,13 +216,20 @@ class MegatronPolicy:
         self._offloaded: set[str] = set()  # "optimizer" (gradients + optimizer state) and / or "weights"
         self.last_router_stats: dict[str, float] = {}
 
+    @classmethod
+    def from_run_config(
+        cls, cfg: RunConfig, model_dir: str | Path, *, vocab_multiple: int | None = None, trainable: bool = True
+    ) -> MegatronPolicy:
+        """The policy of a run config (its ``policy`` section and :meth:`RunValues.of`)."""
+        return cls(cfg.policy, model_dir, RunValues.of(cfg), vocab_multiple=vocab_multiple, trainable=trainable)
+
     # ------------------------------------------------------------------------------------------------------------------
     # Construction helpers.
 
     def _wrap_ddp(self) -> Any:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-        pc = self.cfg.policy
+        pc = self.pc
         dist_opt = self.on_gpu and pc.use_distributed_optimizer
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
@@ -263,7 +272,7 @@ class MegatronPolicy:
         """
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        pc = self.cfg.policy
+        pc = self.pc
         opt_config = OptimizerConfig(
             optimizer="adam",
             lr=pc.lr,
@@ -286,7 +295,7 @@ class MegatronPolicy:
 
     def _build_torch_optimizer(self) -> torch.optim.AdamW:
         """AdamW over the DDP gradient buffers with mcore's default decay groups; the CPU path."""
-        pc = self.cfg.policy
+        pc = self.pc
         decay, no_decay = [], []
         for name, p in self.gpt.named_parameters():
             if p.requires_grad:  # a frozen router has neither gradient buffer nor optimizer state
@@ -308,7 +317,7 @@ class MegatronPolicy:
 
     def microbatch_rows(self, batch: RolloutBatch) -> list[torch.Tensor]:
         """Row indices of the micro-batches :meth:`train_minibatch` runs ``batch`` in (see ``Policy``)."""
-        return split_microbatches(batch, self.cfg.policy.microbatch_tokens, "packed" if self.packed else "trimmed")
+        return split_microbatches(batch, self.pc.microbatch_tokens, "packed" if self.packed else "trimmed")
 
     def _microbatches(self, batch: RolloutBatch) -> list[MicroBatch]:
         groups = self.microbatch_rows(batch)
@@ -336,7 +345,7 @@ class MegatronPolicy:
             group=self.tp_group if self.tp > 1 else None,
             vocab_start=self.tp_rank * shard,
             vocab_size=self.spec.vocab_size,
-            chunk_size=self.cfg.policy.logprob_chunk_size,
+            chunk_size=self.pc.logprob_chunk_size,
             entropy=entropy,
         )  # [b, s] each
 
@@ -459,8 +468,8 @@ class MegatronPolicy:
         if not self.trainable:
             raise RuntimeError("train_minibatch on a forward-only (reference) policy")
         surrogate = self.accumulate_gradients(batch, surrogate_fn, entropy=entropy)
-        step_lr = lr_at(self.updates, self.cfg.policy, self.total_updates) if lr is None else lr
-        clip = self.cfg.policy.grad_clip
+        step_lr = lr_at(self.updates, self.pc, self.total_updates) if lr is None else lr
+        clip = self.pc.grad_clip
         if self.on_gpu:
             grad_norm, skipped = self._step_megatron(step_lr, clip, surrogate)
         else:
@@ -485,7 +494,7 @@ class MegatronPolicy:
         for p in trained:
             g = p.main_grad if coeff == 1.0 else p.main_grad * coeff
             p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
-        set_group_hyperparameters(self.optimizer.param_groups, step_lr, self.cfg.policy.weight_decay)
+        set_group_hyperparameters(self.optimizer.param_groups, step_lr, self.pc.weight_decay)
         self.optimizer.step()
         for p in trained:
             p.grad = None
@@ -499,7 +508,7 @@ class MegatronPolicy:
         if self._any_rank(found_inf or not (math.isfinite(surrogate) and math.isfinite(grad_norm))):
             self.optimizer.zero_grad()
             return grad_norm, True
-        set_group_hyperparameters(self.optimizer.param_groups, step_lr, self.cfg.policy.weight_decay)
+        set_group_hyperparameters(self.optimizer.param_groups, step_lr, self.pc.weight_decay)
         if clip > 0:
             for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
                 params = [] if getattr(opt, "is_stub_optimizer", False) else opt.get_parameters()
@@ -545,7 +554,7 @@ class MegatronPolicy:
             tp_group=self.tp_group if self.tp > 1 else None,
             pp_group=self.pp_group if self.pp > 1 else None,
             ep_group=self.ep_group if self.ep > 1 else None,
-            bucket_bytes=self.cfg.generation.refit_bucket_mb * 2**20,
+            bucket_bytes=self.run.refit_bucket_mb * 2**20,
         )
 
     def export_gradients(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -569,7 +578,7 @@ class MegatronPolicy:
             tp_group=self.tp_group if self.tp > 1 else None,
             pp_group=self.pp_group if self.pp > 1 else None,
             ep_group=self.ep_group if self.ep > 1 else None,
-            bucket_bytes=self.cfg.generation.refit_bucket_mb * 2**20,
+            bucket_bytes=self.run.refit_bucket_mb * 2**20,
         )
 
     def _optimizer_sharded_state_dict(self, is_loading: bool) -> dict[str, Any]:
@@ -629,7 +638,7 @@ class MegatronPolicy:
             "tensor_parallel_size": self.tp,
             "pipeline_parallel_size": self.pp,
             "expert_parallel_size": self.ep,
-            "dtype": self.cfg.policy.dtype,
+            "dtype": self.pc.dtype,
             "vocab_size": self.spec.vocab_size,
             "padded_vocab_size": self.padded_vocab,
             "vocab_multiple": self.vocab_multiple,

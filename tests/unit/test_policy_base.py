@@ -1,4 +1,4 @@
-"""The Policy protocol (policy/base.py): both backends implement it with the same call signatures."""
+"""The Policy protocol (policy/base.py): both backends implement it alike; the run values a policy is given."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import inspect
 import pytest
 import torch
 
-from nemo_disco.policy.base import Policy
+from nemo_disco.policy.base import Policy, RunValues
 
 METHODS = sorted(name for name, value in vars(Policy).items() if inspect.isfunction(value) and not name.startswith("_"))
 
@@ -55,15 +55,31 @@ def test_an_object_lacking_a_method_is_not_a_policy():
     assert not isinstance(Partial(), Policy)
 
 
-def test_the_transformers_policy_is_a_policy(tiny_qwen2):
+def _cfg(*overrides: str):
     from nemo_disco import config
 
-    cfg = config.load(
-        config.Path(__file__).resolve().parents[2] / "recipes" / "disco.yaml",
-        ["policy.backend=hf", "policy.dtype=float32", "cluster.gpus_per_node=1"],
+    recipe = config.Path(__file__).resolve().parents[2] / "recipes" / "disco.yaml"
+    return config.load(recipe, ["policy.backend=hf", "policy.dtype=float32", "cluster.gpus_per_node=1", *overrides])
+
+
+def test_run_values_of_a_run_config():
+    cfg = _cfg(
+        "algorithm.steps=7",
+        "algorithm.prompts_per_step=8",
+        "algorithm.minibatch_prompts=2",
+        "algorithm.seed=5",
+        "generation.temperature=0.6",
+        "generation.refit_bucket_mb=64",
     )
+    # 8 prompts a step in mini-batches of 2: 4 updates a step, 7 x 4 = 28 in the run.
+    assert RunValues.of(cfg) == RunValues(seed=5, temperature=0.6, total_updates=28, refit_bucket_mb=64)
+
+
+def test_the_transformers_policy_is_a_policy_built_from_its_section_and_the_run_values(tiny_qwen2):
     from nemo_disco.policy import build_policy
 
+    cfg = _cfg("generation.temperature=0.5", "algorithm.steps=3")
     policy = build_policy(cfg, tiny_qwen2)
     assert isinstance(policy, Policy)
     assert (policy.dp_rank, policy.dp_size, policy.dp_group) == (0, 1, None)
+    assert policy.temperature == 0.5 and policy.total_updates == 3 * cfg.updates_per_step

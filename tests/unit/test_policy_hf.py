@@ -38,7 +38,7 @@ def _batch(seed=0, n=6):
 
 def test_logprobs_match_unpadded_forward(tiny_qwen2):
     """Left/right padding, positions and the temperature give the log-probs of each sequence run alone."""
-    policy = HFPolicy(_cfg(), tiny_qwen2)
+    policy = HFPolicy.from_run_config(_cfg(), tiny_qwen2)
     batch = _batch()
     lp, ent = policy.logprobs(batch, entropy=True)
     for i in range(len(batch)):
@@ -81,7 +81,7 @@ def test_gradient_is_the_sum_over_microbatches(tiny_qwen2):
 
     grads, counts = [], []
     for tokens in (1, 25, 10_000):
-        policy = HFPolicy(_cfg(**{"policy.microbatch_tokens": tokens}), tiny_qwen2)
+        policy = HFPolicy.from_run_config(_cfg(**{"policy.microbatch_tokens": tokens}), tiny_qwen2)
         grads.append(_grads_after(policy, batch, fn))
         counts.append(len(policy.microbatch_rows(batch)))
     width = batch.prompt_ids.shape[1] + batch.response_ids.shape[1]  # every row runs at the batch's width
@@ -92,7 +92,7 @@ def test_gradient_is_the_sum_over_microbatches(tiny_qwen2):
 
 
 def test_non_finite_surrogate_skips_the_update(tiny_qwen2):
-    policy = HFPolicy(_cfg(), tiny_qwen2)
+    policy = HFPolicy.from_run_config(_cfg(), tiny_qwen2)
     before = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
     out = policy.train_minibatch(_batch(), lambda rows, lp, ent: lp.sum() * float("nan"))
     assert out["skipped"] == 1.0
@@ -104,10 +104,10 @@ def test_non_finite_surrogate_skips_the_update(tiny_qwen2):
 
 
 def test_save_load_round_trip(tiny_qwen2, tmp_path):
-    policy = HFPolicy(_cfg(), tiny_qwen2)
+    policy = HFPolicy.from_run_config(_cfg(), tiny_qwen2)
     policy.train_minibatch(_batch(), lambda rows, lp, ent: -lp.sum())
     policy.save(tmp_path / "p")
-    other = HFPolicy(_cfg(), tiny_qwen2)
+    other = HFPolicy.from_run_config(_cfg(), tiny_qwen2)
     other.load(tmp_path / "p")
     assert other.updates == 1
     for (n, a), (_, b) in zip(policy.export_weights(), other.export_weights(), strict=True):
