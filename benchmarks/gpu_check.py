@@ -164,11 +164,11 @@ def toolchain_warnings(env: dict[str, Any]) -> list[str]:
 
 def te_for_bf16() -> tuple[bool, str]:
     """Whether the bf16 stages build Transformer Engine (it imports on CUDA), and why: set explicitly, never "auto"."""
-    from nemo_disco.policy import megatron as mp
+    from nemo_disco.policy import megatron_model as mm
 
     if not _cuda():
         return False, "no CUDA"
-    err = mp.te_import_error()
+    err = mm.te_import_error()
     return (err is None), ("transformer_engine imports" if err is None else err)
 
 
@@ -196,10 +196,10 @@ def environment() -> dict[str, Any]:
         info["device"] = {"name": p.name, "capability": f"{p.major}.{p.minor}", "memory_gib": p.total_memory / 2**30}
     else:
         info["device"] = {"name": "cpu"}
-    from nemo_disco.policy import megatron as mp
+    from nemo_disco.policy import megatron_model as mm
 
-    info["transformer_engine_import_error"] = mp.te_import_error() if _cuda() else "not tried (no CUDA)"
-    info["fusions_on_this_machine"] = mp.fusion_flags(_cuda(), use_te=False)
+    info["transformer_engine_import_error"] = mm.te_import_error() if _cuda() else "not tried (no CUDA)"
+    info["fusions_on_this_machine"] = mm.fusion_flags(_cuda(), use_te=False)
     info["torch_compile"] = compile_toolchain()
     return info
 
@@ -326,10 +326,10 @@ def stage_collectives(args: argparse.Namespace) -> dict[str, Any]:
 
     from nemo_disco import distributed
     from nemo_disco.policy import cpu_compat
-    from nemo_disco.policy import megatron as mp
+    from nemo_disco.policy import megatron_model as mm
 
     cpu_compat.apply()
-    mp.init_parallel(1, 1)
+    mm.init_parallel(1, 1)
     from megatron.core import parallel_state as ps
 
     dp = ps.get_data_parallel_group()
@@ -373,10 +373,11 @@ def stage_collectives(args: argparse.Namespace) -> dict[str, Any]:
 def _parity_one(
     model_dir: Path, dtype: str, use_te: bool, batch: Any, ref: dict[str, Any], run_dir: Path
 ) -> dict[str, Any]:
-    from nemo_disco.policy.megatron import LAYER_SPECS, MegatronPolicy
+    from nemo_disco.policy.megatron import MegatronPolicy
+    from nemo_disco.policy.megatron_model import LAYER_SPECS
 
     over = {"policy.dtype": dtype, "policy.transformer_engine": use_te}
-    policy = MegatronPolicy(run_config(model_dir, run_dir, **over), model_dir)
+    policy = MegatronPolicy.from_run_config(run_config(model_dir, run_dir, **over), model_dir)
     t0 = time.perf_counter()
     lp, ent = policy.logprobs(batch, entropy=True)
     _sync()
@@ -444,7 +445,7 @@ def stage_grad_step(args: argparse.Namespace) -> dict[str, Any]:
         "policy.adam_eps": 1e-3,  # a smooth first Adam step (tiny gradient components would amplify rounding)
         "policy.grad_clip": 0.5,
     }
-    policy = MegatronPolicy(run_config(model_dir, root / "run", **over), model_dir)
+    policy = MegatronPolicy.from_run_config(run_config(model_dir, root / "run", **over), model_dir)
     coef = coefficients(len(batch))
     ref = hf_reference(model_dir, batch, grads=True)
     policy.accumulate_gradients(batch, surrogate(coef), entropy=True)
@@ -506,10 +507,11 @@ def _moe_one(
 ) -> dict[str, Any]:
     """One Qwen3-MoE policy: device placement, log-prob parity, one update, the exported weights."""
     torch = _torch()
-    from nemo_disco.policy.megatron import LAYER_SPECS, MegatronPolicy
+    from nemo_disco.policy.megatron import MegatronPolicy
+    from nemo_disco.policy.megatron_model import LAYER_SPECS
 
     over = {"policy.dtype": dtype, "policy.transformer_engine": use_te, "policy.lr": 1e-3}
-    policy = MegatronPolicy(run_config(model_dir, run_dir, **over), model_dir)
+    policy = MegatronPolicy.from_run_config(run_config(model_dir, run_dir, **over), model_dir)
     off_built = _off_device(policy)  # mcore builds the MoE router on the host
     lp, ent = policy.logprobs(batch, entropy=True)
     mask = batch.response_mask
@@ -632,7 +634,7 @@ def stage_offload_checkpoint(args: argparse.Namespace) -> dict[str, Any]:
         }
         cfg = run_config(model_dir, root / "run", **over)
         before = _allocated()
-        policy = MegatronPolicy(cfg, model_dir)
+        policy = MegatronPolicy.from_run_config(cfg, model_dir)
         policy.train_minibatch(batch, surrogate(coef), entropy=True)  # optimizer state exists from here on
         r: dict[str, Any] = {
             "layer_spec": policy.layer_spec,
@@ -648,7 +650,7 @@ def stage_offload_checkpoint(args: argparse.Namespace) -> dict[str, Any]:
         ckpt = root / f"ckpt_{dist_opt}"
         lp_saved, _ = policy.logprobs(batch)
         policy.save(ckpt)
-        other = MegatronPolicy(cfg, model_dir)
+        other = MegatronPolicy.from_run_config(cfg, model_dir)
         other.load(ckpt)
         r["checkpoint_logprobs_equal"] = bool(torch.equal(other.logprobs(batch)[0], lp_saved))
         r["checkpoint_updates"] = other.updates
@@ -668,7 +670,7 @@ def stage_offload_checkpoint(args: argparse.Namespace) -> dict[str, Any]:
         if _cuda():
             torch.cuda.empty_cache()
     before = _allocated()
-    ref_policy = MegatronPolicy(
+    ref_policy = MegatronPolicy.from_run_config(
         run_config(model_dir, root / "run", **{"policy.dtype": "bfloat16", "policy.transformer_engine": te}),
         model_dir,
         trainable=False,
@@ -691,11 +693,11 @@ def _te_cross_spec(model_dir: Path, root: Path, batch: Any) -> dict[str, Any]:
     if not te:
         return {"status": "skipped", "why": why}
     te_over = {"policy.dtype": "bfloat16", "policy.transformer_engine": True}
-    te = mp.MegatronPolicy(run_config(model_dir, root / "run", **te_over), model_dir)
+    te = mp.MegatronPolicy.from_run_config(run_config(model_dir, root / "run", **te_over), model_dir)
     te.save(root / "te_ckpt")
     lp_te, _ = te.logprobs(batch)
     local_over = {"policy.dtype": "bfloat16", "policy.transformer_engine": False}
-    local = mp.MegatronPolicy(run_config(model_dir, root / "run", **local_over), model_dir)
+    local = mp.MegatronPolicy.from_run_config(run_config(model_dir, root / "run", **local_over), model_dir)
     local.load(root / "te_ckpt")
     lp_local, _ = local.logprobs(batch)
     local.save(root / "local_ckpt")

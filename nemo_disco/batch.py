@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
+from typing import Literal
 
 import torch
 
@@ -125,6 +126,38 @@ def pack_questions(group_ids: torch.Tensor, fits: Callable[[int, int], bool]) ->
     if start < len(group_ids):
         out.append(torch.arange(start, len(group_ids)))
     return out
+
+
+#: How a policy lays out a micro-batch, which decides what its rows cost against ``policy.microbatch_tokens``.
+MicrobatchLayout = Literal["batch_width", "trimmed", "packed"]
+
+
+def split_microbatches(batch: RolloutBatch, max_tokens: int, layout: MicrobatchLayout) -> list[torch.Tensor]:
+    """Row indices of consecutive micro-batches whose model input fits ``max_tokens`` tokens (at least one row each).
+
+    What a group of rows costs depends on how the policy lays it out:
+      - ``batch_width``: every row at the batch's padded width P + R (the transformers policy runs the rows as
+        they are);
+      - ``trimmed``: rows x (longest prompt + longest response) of the group (the Megatron policy's padded layout);
+      - ``packed``: the sum of the rows' real lengths (the Megatron policy's packed THD layout).
+    A question's rollouts (a run of equal ``group_ids``) stay in one micro-batch wherever they fit the budget
+    together, so that a loss coupling only the rollouts of a question is exact in one pass
+    (:mod:`nemo_disco.update`); a question that does not fit alone is split row by row (:func:`pack_questions`).
+    """
+    if layout == "batch_width":
+        width = max(batch.prompt_ids.shape[1] + batch.response_ids.shape[1], 1)
+        rows = max(1, max_tokens // width)
+        return pack_questions(batch.group_ids, lambda start, stop: stop - start <= rows)
+    if layout not in ("trimmed", "packed"):
+        raise ValueError(f"micro-batch layout {layout!r} is not one of {MicrobatchLayout.__args__}")
+    p_len, r_len = batch.prompt_mask.sum(1), batch.response_mask.sum(1)  # [N] each
+
+    def fits(start: int, stop: int) -> bool:
+        if layout == "packed":
+            return int((p_len[start:stop] + r_len[start:stop]).sum()) <= max_tokens
+        return (stop - start) * (int(p_len[start:stop].max()) + int(r_len[start:stop].max())) <= max_tokens
+
+    return pack_questions(batch.group_ids, fits)
 
 
 def _take(t: torch.Tensor | None, index: torch.Tensor | slice) -> torch.Tensor | None:

@@ -28,16 +28,16 @@ from nemo_disco import distributed, weights
 from nemo_disco.config import RunConfig, load_resolved
 from nemo_disco.files import TOKENIZER_FILES, save_safetensors
 from nemo_disco.policy import cpu_compat
-from nemo_disco.policy import megatron as mp
+from nemo_disco.policy import megatron_model as mm
 
 HF_POLICY_STATE = "policy_state.json"
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_DTYPE_NAMES = {dtype: name for name, dtype in weights.DTYPES.items()}
 
 
 def _hf_dtype(config: dict) -> str:
     name = config.get("dtype") or config.get("torch_dtype") or "float32"
-    if name not in mp._DTYPES:
-        raise ValueError(f"config.json: dtype={name!r} is not one of {sorted(mp._DTYPES)}")
+    if name not in weights.DTYPES:
+        raise ValueError(f"config.json: dtype={name!r} is not one of {sorted(weights.DTYPES)}")
     return name
 
 
@@ -78,15 +78,17 @@ def hf_to_megatron(
     cpu_compat.apply()
     world = distributed.read_env().world_size
     run_tp, run_pp = (tp, pp) if world % (tp * pp) == 0 else (1, 1)  # the layout the processes can form
-    mp.init_parallel(run_tp, run_pp, ep=1 if spec.is_moe else None)
+    mm.init_parallel(run_tp, run_pp, ep=1 if spec.is_moe else None)
     padded = weights.padded_vocab_size(spec.vocab_size, tp, vocab_multiple)
-    config = mp.transformer_config(spec, tp=run_tp, pp=run_pp, dtype=mp._DTYPES[dtype], use_te=False, recompute=False)
-    model = mp.build_gpt_model(spec, config, padded, use_te=False)
-    mp.load_hf_weights(model, hf_dir, spec, padded)
+    config = mm.transformer_config(
+        spec, tp=run_tp, pp=run_pp, dtype=weights.DTYPES[dtype], use_te=False, recompute=False
+    )
+    model = mm.build_gpt_model(spec, config, padded, use_te=False)
+    mm.load_hf_weights(model, hf_dir, spec, padded)
     if distributed.rank() == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
     distributed.barrier()
-    mp.save_model_checkpoint(model, out_dir / "model")
+    mm.save_model_checkpoint(model, out_dir / "model")
     if distributed.rank() == 0:
         meta = {
             "updates": 0,
@@ -99,7 +101,7 @@ def hf_to_megatron(
             "layer_spec": "local",
             "written_at": {"tensor_parallel_size": run_tp, "pipeline_parallel_size": run_pp},
         }
-        mp.write_policy_files(out_dir, hf_dir, meta)
+        mm.write_policy_files(out_dir, hf_dir, meta)
     distributed.barrier()
     return out_dir
 
@@ -112,7 +114,7 @@ def find_policy_dir(checkpoint_dir: str | Path) -> Path:
     """
     path = Path(checkpoint_dir)
     for candidate in (path / "policy", path):
-        if mp.is_checkpoint_dir(candidate):
+        if mm.is_checkpoint_dir(candidate):
             return candidate
     raise ValueError(f"{path}: neither it nor {path / 'policy'} is a Megatron policy directory (no megatron.json)")
 
@@ -164,7 +166,7 @@ def checkpoint_to_hf(
     if verify:
         verify_checkpoint(path)
     for candidate in (path / "policy", path):
-        if mp.is_checkpoint_dir(candidate):
+        if mm.is_checkpoint_dir(candidate):
             return megatron_to_hf(candidate, out_dir, config)
         if is_hf_policy_dir(candidate):
             return hf_policy_to_hf(candidate, out_dir, config)
@@ -251,17 +253,17 @@ def megatron_to_hf(checkpoint_dir: str | Path, out_dir: str | Path, config: RunC
         ``out_dir``.
     """
     policy_dir = find_policy_dir(checkpoint_dir)
-    meta = mp.read_checkpoint_meta(policy_dir)
+    meta = mm.read_checkpoint_meta(policy_dir)
     if config is None:
         config = _run_config(policy_dir)
     spec = weights.ModelSpec.from_dir(policy_dir)
-    dtype = mp._DTYPES[meta["dtype"]]
+    dtype = weights.DTYPES[meta["dtype"]]
     cpu_compat.apply()
-    mp.init_parallel(1, 1, ep=1 if spec.is_moe else None)
-    tf_config = mp.transformer_config(spec, tp=1, pp=1, dtype=dtype, use_te=False, recompute=False)
-    model = mp.build_gpt_model(spec, tf_config, int(meta["padded_vocab_size"]), use_te=False)
+    mm.init_parallel(1, 1, ep=1 if spec.is_moe else None)
+    tf_config = mm.transformer_config(spec, tp=1, pp=1, dtype=dtype, use_te=False, recompute=False)
+    model = mm.build_gpt_model(spec, tf_config, int(meta["padded_vocab_size"]), use_te=False)
     try:
-        mp.load_model_checkpoint(model, policy_dir / "model")
+        mm.load_model_checkpoint(model, policy_dir / "model")
     except (ValueError, KeyboardInterrupt, SystemExit):
         raise
     # A truncated or changed file of a checkpoint without a manifest: torch's CheckpointException (a

@@ -55,6 +55,9 @@ from nemo_disco import distributed
 
 REPLICATED, ROW, VOCAB, QKV, GATE_UP = "replicated", "row", "vocab", "qkv", "gate_up"
 
+#: Torch dtypes by the names the config uses (``policy.dtype``, the generator's dtype).
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 #: Megatron's default ``make_vocab_size_divisible_by``.
 DEFAULT_VOCAB_MULTIPLE = 128
 

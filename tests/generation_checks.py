@@ -21,7 +21,7 @@ def policy_for(model_dir: Path, temperature: float = 1.0) -> HFPolicy:
         ROOT / "recipes" / "tiny-cpu.yaml",
         [f"generation.temperature={temperature}", "policy.lr=0.05", "policy.grad_clip=0", "logging.tensorboard=false"],
     )
-    return HFPolicy(cfg, model_dir)
+    return HFPolicy.from_run_config(cfg, model_dir)
 
 
 def _collate(prompts, rollouts, n):

@@ -37,9 +37,8 @@ import torch
 
 from nemo_disco.generation import kv_decode
 from nemo_disco.generation.base import Rollout, SamplingParams
+from nemo_disco.weights import DTYPES as _DTYPES
 from nemo_disco.weights import to_module_layout
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def trim_at_stop(

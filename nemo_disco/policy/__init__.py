@@ -14,7 +14,7 @@ def build_policy(cfg, model_dir, *, trainable=True):  # noqa: ANN001, ANN201  (l
     if cfg.policy.backend == "hf":
         from nemo_disco.policy.hf import HFPolicy
 
-        return HFPolicy(cfg, model_dir, trainable=trainable)
+        return HFPolicy.from_run_config(cfg, model_dir, trainable=trainable)
     from nemo_disco.policy.megatron import MegatronPolicy
 
-    return MegatronPolicy(cfg, model_dir, trainable=trainable)
+    return MegatronPolicy.from_run_config(cfg, model_dir, trainable=trainable)

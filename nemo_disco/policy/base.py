@@ -11,16 +11,49 @@ data-parallel size.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
 from nemo_disco.batch import RolloutBatch
 
+if TYPE_CHECKING:
+    from nemo_disco.config import RunConfig
+
 # surrogate_fn(rows, logprobs, entropy) -> scalar. ``rows``: [n] int64 indices of the micro-batch's
 # rollouts within the batch passed to train_minibatch; logprobs / entropy: [n, R] with grad.
 SurrogateFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class RunValues:
+    """The few values of the run a policy needs besides its own section (``policy.*``).
+
+    Attributes:
+        seed: ``algorithm.seed`` (the Megatron model-parallel RNG seed).
+        temperature: ``generation.temperature``: log-probs are those of logits / temperature, as sampled.
+        total_updates: optimizer updates of the whole run (``algorithm.steps`` x updates per step), where the
+            learning-rate schedule ends.
+        refit_bucket_mb: ``generation.refit_bucket_mb``, the size of the buckets the Megatron policy exports
+            its weights in.
+    """
+
+    seed: int
+    temperature: float
+    total_updates: int
+    refit_bucket_mb: int
+
+    @classmethod
+    def of(cls, cfg: RunConfig) -> RunValues:
+        """The values of a run config."""
+        return cls(
+            seed=cfg.algorithm.seed,
+            temperature=cfg.generation.temperature,
+            total_updates=cfg.algorithm.steps * cfg.updates_per_step,
+            refit_bucket_mb=cfg.generation.refit_bucket_mb,
+        )
 
 
 @runtime_checkable

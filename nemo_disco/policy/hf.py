@@ -15,24 +15,10 @@ from pathlib import Path
 import torch
 
 from nemo_disco import distributed, files, weights
-from nemo_disco.batch import RolloutBatch, pack_questions
-from nemo_disco.config import RunConfig
-from nemo_disco.policy.base import SurrogateFn
+from nemo_disco.batch import RolloutBatch, split_microbatches
+from nemo_disco.config import PolicyConfig, RunConfig
+from nemo_disco.policy.base import RunValues, SurrogateFn
 from nemo_disco.policy.schedule import lr_at
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def microbatches(batch: RolloutBatch, max_tokens: int) -> list[torch.Tensor]:
-    """Row indices of consecutive micro-batches of at most ``max_tokens`` padded tokens (at least one row each).
-
-    A question's rollouts (a run of equal ``group_ids``) stay in one micro-batch wherever they fit the budget
-    together, so that a loss coupling only the rollouts of a question is exact in one pass
-    (:mod:`nemo_disco.update`); a question that does not fit alone is split row by row.
-    """
-    width = batch.prompt_ids.shape[1] + batch.response_ids.shape[1]
-    rows = max(1, max_tokens // max(width, 1))
-    return pack_questions(batch.group_ids, lambda start, stop: stop - start <= rows)
 
 
 def response_logprobs(
@@ -67,23 +53,30 @@ def response_logprobs(
 class HFPolicy:
     """pi_theta as a transformers AutoModelForCausalLM with a torch AdamW optimizer."""
 
-    def __init__(self, cfg: RunConfig, model_dir: str | Path, *, trainable: bool = True) -> None:
+    def __init__(self, pc: PolicyConfig, model_dir: str | Path, run: RunValues, *, trainable: bool = True) -> None:
+        """Load the model of an HF folder.
+
+        Args:
+            pc: the ``policy`` section of the run config.
+            model_dir: an HF folder (config.json + safetensors + tokenizer files).
+            run: the run values the policy needs (temperature, total updates).
+            trainable: False builds a forward-only model (a reference policy): no optimizer, no gradients.
+        """
         from transformers import AutoModelForCausalLM
 
-        self.cfg = cfg
+        self.pc = pc
         self.model_dir = Path(model_dir)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         self.device = self.device or torch.device("cpu")
         self.model = AutoModelForCausalLM.from_pretrained(
-            str(model_dir), dtype=_DTYPES[cfg.policy.dtype], attn_implementation="sdpa"
+            str(model_dir), dtype=weights.DTYPES[pc.dtype], attn_implementation="sdpa"
         ).to(self.device)
-        if cfg.policy.activation_checkpointing:
+        if pc.activation_checkpointing:
             enable = (
                 getattr(self.model, "activation_checkpointing_enable", None) or self.model.gradient_checkpointing_enable
             )
             enable()
         self.model.config.use_cache = False
-        pc = cfg.policy
         if trainable and pc.freeze_router:
             for name, p in self.model.named_parameters():
                 if name.endswith(".mlp.gate.weight"):  # an MoE router (a dense MLP's is gate_proj)
@@ -101,11 +94,16 @@ class HFPolicy:
         else:
             self.model.requires_grad_(False)
         self.updates = 0
-        self.total_updates = cfg.algorithm.steps * cfg.updates_per_step
-        self.temperature = cfg.generation.temperature
+        self.total_updates = run.total_updates
+        self.temperature = run.temperature
         self.dp_group = None
         self.dp_size = distributed.world_size()
         self.dp_rank = distributed.rank()
+
+    @classmethod
+    def from_run_config(cls, cfg: RunConfig, model_dir: str | Path, *, trainable: bool = True) -> HFPolicy:
+        """The policy of a run config (its ``policy`` section and :meth:`RunValues.of`)."""
+        return cls(cfg.policy, model_dir, RunValues.of(cfg), trainable=trainable)
 
     # ------------------------------------------------------------------------------------------------------------------
     def _forward(self, batch: RolloutBatch, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -122,14 +120,14 @@ class HFPolicy:
 
     def microbatch_rows(self, batch: RolloutBatch) -> list[torch.Tensor]:
         """Row indices of the micro-batches :meth:`train_minibatch` runs ``batch`` in (see ``Policy``)."""
-        return microbatches(batch, self.cfg.policy.microbatch_tokens)
+        return split_microbatches(batch, self.pc.microbatch_tokens, "batch_width")
 
     @torch.no_grad()
     def logprobs(self, batch: RolloutBatch, *, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-token log-probs (and entropy) of ``batch.response_ids``, [N, R] float32 on CPU."""
         self.model.eval()
         lps, ents = [], []
-        for rows in microbatches(batch, self.cfg.policy.microbatch_tokens):
+        for rows in self.microbatch_rows(batch):
             lp, ent = self._forward(batch.select(rows), entropy)
             lps.append(lp.cpu())
             if ent is not None:
@@ -163,9 +161,9 @@ class HFPolicy:
             for p in params:
                 p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
                 offset += p.numel()
-        clip = self.cfg.policy.grad_clip
+        clip = self.pc.grad_clip
         grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
-        step_lr = lr_at(self.updates, self.cfg.policy, self.total_updates)
+        step_lr = lr_at(self.updates, self.pc, self.total_updates)
         if not (torch.isfinite(grad_norm) and torch.isfinite(torch.tensor(total))):
             self.optimizer.zero_grad(set_to_none=True)
             return {"grad_norm": float(grad_norm), "lr": step_lr, "skipped": 1.0, "surrogate": total}

@@ -185,7 +185,7 @@ def train_vs_hf(policy, cfg_hf, model_dir: Path, batch, rows: torch.Tensor | Non
     from nemo_disco.policy.hf import HFPolicy
 
     coef = coefficients(len(batch))
-    hf = HFPolicy(cfg_hf, model_dir)
+    hf = HFPolicy.from_run_config(cfg_hf, model_dir)
     if rows is None:
         ours = policy.train_minibatch(batch, surrogate(coef), entropy=True)
     else:
@@ -231,7 +231,7 @@ def scenario_parallel(args: argparse.Namespace, world: int, rank: int) -> dict:
         ref = refs[name]
         over = moe_over(model_dir, args.ep)
         cfg = make_cfg(world, args.tp, args.pp, **over)
-        policy = MegatronPolicy(cfg, model_dir, vocab_multiple=args.vocab_multiple)
+        policy = MegatronPolicy.from_run_config(cfg, model_dir, vocab_multiple=args.vocab_multiple)
         # Data-parallel ranks (TP1 x EP2 has two) each take a share of the rows, of unequal sizes: the ranks of
         # an expert-parallel group then run different numbers of micro-batches.
         rows = None
@@ -258,7 +258,7 @@ def scenario_parallel(args: argparse.Namespace, world: int, rank: int) -> dict:
         name = model_dir.name
         ref = refs[name]
         cfg = make_cfg(world, 1, 1, **moe_over(model_dir, 1))
-        policy = MegatronPolicy(cfg, model_dir, vocab_multiple=args.vocab_multiple)
+        policy = MegatronPolicy.from_run_config(cfg, model_dir, vocab_multiple=args.vocab_multiple)
         rows = torch.arange(len(batch))[policy.dp_rank :: policy.dp_size]
         res, grads = check_model(policy, model_dir, batch, ref, rows=rows)
         res["dp"] = [policy.dp_rank, policy.dp_size]
@@ -281,7 +281,7 @@ def scenario_checkpoint(args: argparse.Namespace, world: int, rank: int) -> dict
     batch, batch2 = make_batch(0), make_batch(1)
     coef = coefficients(len(batch))
     cfg_tp2 = make_cfg(world, tp=2, **moe_over(model_dir, args.ep))
-    a = MegatronPolicy(cfg_tp2, model_dir, vocab_multiple=args.vocab_multiple)
+    a = MegatronPolicy.from_run_config(cfg_tp2, model_dir, vocab_multiple=args.vocab_multiple)
     a.train_minibatch(batch, surrogate(coef), entropy=True)
     a.save(step / "policy")
     if rank == 0:
@@ -293,7 +293,9 @@ def scenario_checkpoint(args: argparse.Namespace, world: int, rank: int) -> dict
     w2 = {name: t.clone() for name, t in a.export_weights()}
     del a
     # Reshard: TP1 x DP2, each rank with half of the rows (summed over DP = the full-batch gradient).
-    b = MegatronPolicy(make_cfg(world, tp=1, **moe_over(model_dir, 1)), model_dir, vocab_multiple=args.vocab_multiple)
+    b = MegatronPolicy.from_run_config(
+        make_cfg(world, tp=1, **moe_over(model_dir, 1)), model_dir, vocab_multiple=args.vocab_multiple
+    )
     b.load(step / "policy")
     res: dict = {"updates_after_load": b.updates, "dp": [b.dp_rank, b.dp_size]}
     lp_b, _ = b.logprobs(batch)
@@ -322,7 +324,7 @@ def scenario_checkpoint(args: argparse.Namespace, world: int, rank: int) -> dict
     dist.barrier()
     # HF -> Megatron at TP2, then used as a model_dir at PP2: the weights come back bit-exactly.
     convert.hf_to_megatron(model_dir, out / "converted", tp=2, vocab_multiple=args.vocab_multiple)
-    c = MegatronPolicy(make_cfg(world, pp=2, **moe_over(model_dir, 1)), out / "converted")
+    c = MegatronPolicy.from_run_config(make_cfg(world, pp=2, **moe_over(model_dir, 1)), out / "converted")
     res["converted_at_pp2"] = round_trip(c, model_dir)
     res["converted_updates"] = c.updates
     return res
@@ -334,12 +336,12 @@ def scenario_converted(args: argparse.Namespace, world: int, rank: int) -> dict:
     model_dir, converted = Path(args.models[0]), Path(args.models[1])
     batch = make_batch()
     ref = hf_reference(model_dir, batch)
-    policy = MegatronPolicy(make_cfg(world, tp=args.tp), converted)
+    policy = MegatronPolicy.from_run_config(make_cfg(world, tp=args.tp), converted)
     res: dict = round_trip(policy, model_dir)
     lp, _ = policy.logprobs(batch)
     res.update(tp=policy.tp, padded_vocab=policy.padded_vocab, lp_diff=float((lp - ref["lp"]).abs().max()))
     del policy
-    direct = MegatronPolicy(make_cfg(world, tp=args.tp), model_dir)
+    direct = MegatronPolicy.from_run_config(make_cfg(world, tp=args.tp), model_dir)
     lp_direct, _ = direct.logprobs(batch)
     res["lp_vs_direct_diff"] = float((lp - lp_direct).abs().max())
     return res
@@ -357,7 +359,7 @@ def scenario_single(args: argparse.Namespace, world: int, rank: int) -> dict:
         "recompute": {"policy.activation_checkpointing": True},
         "one_microbatch_big_chunks": {"policy.microbatch_tokens": 100_000, "policy.logprob_chunk_size": 4096},
     }.items():
-        policy = MegatronPolicy(make_cfg(1, **over), model_dir, vocab_multiple=args.vocab_multiple)
+        policy = MegatronPolicy.from_run_config(make_cfg(1, **over), model_dir, vocab_multiple=args.vocab_multiple)
         out, _ = check_model(policy, model_dir, batch, ref, rows=None)
         policy.offload()
         policy.onload()
@@ -408,7 +410,8 @@ def scenario_router(args: argparse.Namespace, world: int, rank: int) -> dict:
     with c = 0 must equal c x d(sum over layers of the loss)/d theta (one micro-batch, one rank).
     """
     from nemo_disco import weights
-    from nemo_disco.policy.megatron import MegatronPolicy, is_router
+    from nemo_disco.policy.megatron import MegatronPolicy
+    from nemo_disco.policy.megatron_moe import is_router
 
     model_dir = Path(args.models[0])
     batch = make_batch()
@@ -425,7 +428,7 @@ def scenario_router(args: argparse.Namespace, world: int, rank: int) -> dict:
 
     def grads_with(c: float, **over: object) -> tuple[dict, dict]:
         cfg = make_cfg(1, **{"policy.router_aux_loss_coef": c, "policy.freeze_router": False, **one_mb, **over})
-        policy = MegatronPolicy(cfg, model_dir, vocab_multiple=args.vocab_multiple)
+        policy = MegatronPolicy.from_run_config(cfg, model_dir, vocab_multiple=args.vocab_multiple)
         policy.accumulate_gradients(batch, surrogate(coef), entropy=True)
         return {n: g.clone() for n, g in policy.export_gradients()}, dict(policy.last_router_stats)
 
@@ -440,7 +443,7 @@ def scenario_router(args: argparse.Namespace, world: int, rank: int) -> dict:
     res["stats_recompute"] = stats_recompute
 
     # Frozen (the default): no gradient, no update, for the router only.
-    policy = MegatronPolicy(make_cfg(1, **one_mb), model_dir, vocab_multiple=args.vocab_multiple)
+    policy = MegatronPolicy.from_run_config(make_cfg(1, **one_mb), model_dir, vocab_multiple=args.vocab_multiple)
     before = {n: t.clone() for n, t in policy.export_weights()}
     out = policy.train_minibatch(batch, surrogate(coef), entropy=True)
     after = dict(policy.export_weights())
@@ -465,12 +468,12 @@ def scenario_gpu(args: argparse.Namespace, world: int, rank: int) -> dict:
     model_dir = Path(args.models[0])
     batch = make_batch()
     ref = hf_reference(model_dir, batch)
-    from nemo_disco.policy.megatron import te_import_error
+    from nemo_disco.policy.megatron_model import te_import_error
 
     te = "auto" if te_import_error() is None else False  # auto stops a 16-bit GPU run without TE
     over = {"policy.dtype": "bfloat16", "policy.use_distributed_optimizer": True, "policy.transformer_engine": te}
     cfg = make_cfg(world, args.tp, 1, **over)
-    policy = MegatronPolicy(cfg, model_dir, vocab_multiple=args.vocab_multiple)
+    policy = MegatronPolicy.from_run_config(cfg, model_dir, vocab_multiple=args.vocab_multiple)
     res: dict = {"use_te": policy.use_te, "packed": policy.packed}
     from safetensors.torch import load_file
 
@@ -495,7 +498,7 @@ def scenario_gpu(args: argparse.Namespace, world: int, rank: int) -> dict:
     lp2, _ = policy.logprobs(batch)
     res["lp_diff_after_onload"] = float((lp2 - lp1).abs().max())
     policy.save(Path(args.out) / "policy")
-    other = MegatronPolicy(cfg, model_dir, vocab_multiple=args.vocab_multiple)
+    other = MegatronPolicy.from_run_config(cfg, model_dir, vocab_multiple=args.vocab_multiple)
     other.load(Path(args.out) / "policy")
     lp3, _ = other.logprobs(batch)
     res["lp_diff_after_load"] = float((lp3 - lp1).abs().max())
@@ -513,11 +516,12 @@ def scenario_gpu_rules(args: argparse.Namespace, world: int, rank: int) -> dict:
 
     from nemo_disco.policy import cpu_compat
     from nemo_disco.policy import megatron as mp
+    from nemo_disco.policy import megatron_model as mm
 
     model_dir = Path(args.models[0])
     batch = make_batch()
     cfg = make_cfg(1, **{"policy.weight_decay": 0.1})
-    policy = mp.MegatronPolicy(cfg, model_dir, vocab_multiple=args.vocab_multiple)
+    policy = mp.MegatronPolicy.from_run_config(cfg, model_dir, vocab_multiple=args.vocab_multiple)
     names = {id(p): n for n, p in policy.model.named_parameters()}
 
     def decays(groups: list[dict]) -> dict[str, float]:
@@ -533,7 +537,7 @@ def scenario_gpu_rules(args: argparse.Namespace, world: int, rank: int) -> dict:
     # Fusion flags against mcore's constructors: the old gradient_accumulation_fusion=use_te on a GPU without
     # apex raises in the output layer's constructor; the flags fusion_flags gives such a GPU build.
     try:
-        mp.build_gpt_model(
+        mm.build_gpt_model(
             policy.spec,
             dataclasses.replace(policy.tf_config, gradient_accumulation_fusion=True),
             policy.padded_vocab,
@@ -542,19 +546,19 @@ def scenario_gpu_rules(args: argparse.Namespace, world: int, rank: int) -> dict:
         res["old_grad_acc_fusion_error"] = ""
     except RuntimeError as err:
         res["old_grad_acc_fusion_error"] = str(err)
-    flags = mp.fusion_flags(on_gpu=True, use_te=True)
+    flags = mm.fusion_flags(on_gpu=True, use_te=True)
     res["gpu_flags"] = flags
     new_cfg = dataclasses.replace(
         policy.tf_config, **{k: flags[k] for k in ("gradient_accumulation_fusion", "masked_softmax_fusion")}
     )
-    res["new_flags_build"] = mp.build_gpt_model(policy.spec, new_cfg, policy.padded_vocab, False) is not None
+    res["new_flags_build"] = mm.build_gpt_model(policy.spec, new_cfg, policy.padded_vocab, False) is not None
 
     # Cross-spec loads. A Transformer Engine model also asks for _extra_state objects (its core attention's)
     # that a local-spec checkpoint lacks, and a TE checkpoint holds ones a local model does not ask for.
     te_extra = "decoder.layers.self_attention.core_attention._extra_state"
     local_dir = Path(args.out) / "local_ckpt"
-    mp.save_model_checkpoint(policy.gpt, local_dir)
-    target = mp.MegatronPolicy(cfg, model_dir, vocab_multiple=args.vocab_multiple, trainable=False).gpt
+    mm.save_model_checkpoint(policy.gpt, local_dir)
+    target = mp.MegatronPolicy.from_run_config(cfg, model_dir, vocab_multiple=args.vocab_multiple, trainable=False).gpt
     with torch.no_grad():
         for p in target.parameters():
             p.zero_()
@@ -567,19 +571,19 @@ def scenario_gpu_rules(args: argparse.Namespace, world: int, rank: int) -> dict:
 
     target.sharded_state_dict = te_like
     try:
-        mp.load_model_checkpoint(target, local_dir)
+        mm.load_model_checkpoint(target, local_dir)
         res["te_loads_local"] = all(
             torch.equal(a, b) for a, b in zip(target.parameters(), policy.gpt.parameters(), strict=True)
         )
     except Exception as err:  # noqa: BLE001
         res["te_loads_local"] = f"{type(err).__name__}: {err}"
     te_dir = Path(args.out) / "te_ckpt"
-    mp.save_model_checkpoint(target, te_dir)
+    mm.save_model_checkpoint(target, te_dir)
     target.sharded_state_dict = plain_sd
     with torch.no_grad():
         for p in target.parameters():
             p.zero_()
-    mp.load_model_checkpoint(target, te_dir)
+    mm.load_model_checkpoint(target, te_dir)
     res["local_loads_te"] = all(
         torch.equal(a, b) for a, b in zip(target.parameters(), policy.gpt.parameters(), strict=True)
     )
@@ -592,13 +596,13 @@ def scenario_gpu_rules(args: argparse.Namespace, world: int, rank: int) -> dict:
 
     target.sharded_state_dict = missing_weight
     try:
-        mp.load_model_checkpoint(target, local_dir)
+        mm.load_model_checkpoint(target, local_dir)
         res["missing_weight_error"] = ""
     except ValueError as err:
         res["missing_weight_error"] = str(err)
 
     # The forward-only reference policy.
-    ref_policy = mp.MegatronPolicy(cfg, model_dir, vocab_multiple=args.vocab_multiple, trainable=False)
+    ref_policy = mp.MegatronPolicy.from_run_config(cfg, model_dir, vocab_multiple=args.vocab_multiple, trainable=False)
     res["ref_optimizer_none"] = ref_policy.optimizer is None
     res["ref_unwrapped"] = ref_policy.model is ref_policy.gpt
     res["ref_requires_grad"] = any(p.requires_grad for p in ref_policy.gpt.parameters())
@@ -624,7 +628,7 @@ def scenario_gpu_rules(args: argparse.Namespace, world: int, rank: int) -> dict:
     # micro-batches never issues its reduction (or one with more issues it early).
     grads: dict[bool, list[dict[str, torch.Tensor]]] = {}
     for overlap in (True, False):
-        pol = mp.MegatronPolicy(make_cfg(1, **{"policy.overlap_grad_reduce": overlap}), model_dir)
+        pol = mp.MegatronPolicy.from_run_config(make_cfg(1, **{"policy.overlap_grad_reduce": overlap}), model_dir)
         grads[overlap] = []
         for b in (batch, make_batch(seed=1, n=4), batch):
             try:
@@ -653,7 +657,9 @@ def scenario_placement(args: argparse.Namespace, world: int, rank: int) -> dict:
     for model_dir in map(Path, args.models):
         cfg = make_cfg(1, **{"policy.dtype": "bfloat16"})
         for trainable in (True, False):
-            policy = mp.MegatronPolicy(cfg, model_dir, vocab_multiple=args.vocab_multiple, trainable=trainable)
+            policy = mp.MegatronPolicy.from_run_config(
+                cfg, model_dir, vocab_multiple=args.vocab_multiple, trainable=trainable
+            )
             r: dict = {"policy_device": str(policy.device)}
 
             def off(named: object, device: torch.device = policy.device) -> list[str]:

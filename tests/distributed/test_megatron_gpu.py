@@ -22,7 +22,7 @@ def results(tmp_path_factory):
 
 
 def test_te_spec_and_packing_follow_transformer_engine(results):
-    from nemo_disco.policy.megatron import te_available
+    from nemo_disco.policy.megatron_model import te_available
 
     for res in results:
         assert res["use_te"] == te_available() and res["packed"] == res["use_te"]

@@ -41,14 +41,14 @@ def _trainer(tiny_qwen2, log: list[str], stale: bool) -> SimpleNamespace:
         config.Path(__file__).resolve().parents[2] / "recipes" / "disco.yaml",
         ["policy.backend=hf", "policy.dtype=float32", "cluster.gpus_per_node=1", "generation.backend=hf"],
     )
-    policy = HFPolicy(cfg, tiny_qwen2)
+    policy = HFPolicy.from_run_config(cfg, tiny_qwen2)
     with torch.no_grad():  # the policy has moved since the generator loaded the folder
         for p in policy.model.parameters():
             p.add_(0.01)
     return SimpleNamespace(
         cfg=cfg,
         policy=Recorder("policy", policy, log),
-        ref_policy=Recorder("ref", HFPolicy(cfg, tiny_qwen2, trainable=False), log),
+        ref_policy=Recorder("ref", HFPolicy.from_run_config(cfg, tiny_qwen2, trainable=False), log),
         generator=Recorder("generator", HFGenerator(tiny_qwen2), log),
         generator_stale=stale,
     )
@@ -95,7 +95,7 @@ def test_reference_policy_is_forward_only(tiny_qwen2):
         config.Path(__file__).resolve().parents[2] / "recipes" / "disco.yaml",
         ["policy.backend=hf", "policy.dtype=float32", "cluster.gpus_per_node=1"],
     )
-    ref = HFPolicy(cfg, tiny_qwen2, trainable=False)
+    ref = HFPolicy.from_run_config(cfg, tiny_qwen2, trainable=False)
     assert ref.optimizer is None and not any(p.requires_grad for p in ref.model.parameters())
     with pytest.raises(RuntimeError, match="forward-only"):
         ref.train_minibatch(None, None)  # type: ignore[arg-type]

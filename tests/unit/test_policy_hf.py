@@ -5,8 +5,7 @@ import torch
 
 from nemo_disco import config
 from nemo_disco.batch import collate
-from nemo_disco.policy.hf import HFPolicy, microbatches
-from nemo_disco.policy.schedule import lr_at
+from nemo_disco.policy.hf import HFPolicy
 
 torch.set_num_threads(1)
 
@@ -39,7 +38,7 @@ def _batch(seed=0, n=6):
 
 def test_logprobs_match_unpadded_forward(tiny_qwen2):
     """Left/right padding, positions and the temperature give the log-probs of each sequence run alone."""
-    policy = HFPolicy(_cfg(), tiny_qwen2)
+    policy = HFPolicy.from_run_config(_cfg(), tiny_qwen2)
     batch = _batch()
     lp, ent = policy.logprobs(batch, entropy=True)
     for i in range(len(batch)):
@@ -80,20 +79,20 @@ def test_gradient_is_the_sum_over_microbatches(tiny_qwen2):
     def fn(rows, lp, ent):
         return (coef[rows].unsqueeze(1) * lp).sum()
 
-    grads = []
+    grads, counts = [], []
     for tokens in (1, 25, 10_000):
-        policy = HFPolicy(_cfg(**{"policy.microbatch_tokens": tokens}), tiny_qwen2)
+        policy = HFPolicy.from_run_config(_cfg(**{"policy.microbatch_tokens": tokens}), tiny_qwen2)
         grads.append(_grads_after(policy, batch, fn))
-    width = batch.prompt_ids.shape[1] + batch.response_ids.shape[1]
-    assert len(microbatches(batch, 1)) == 7 and len(microbatches(batch, 10_000)) == 1
-    assert len(microbatches(batch, 25)) == math.ceil(7 / (25 // width))
+        counts.append(len(policy.microbatch_rows(batch)))
+    width = batch.prompt_ids.shape[1] + batch.response_ids.shape[1]  # every row runs at the batch's width
+    assert counts == [7, math.ceil(7 / (25 // width)), 1]
     for g in grads[1:]:
         for name in g:
             torch.testing.assert_close(g[name], grads[0][name], atol=1e-6, rtol=1e-5)
 
 
 def test_non_finite_surrogate_skips_the_update(tiny_qwen2):
-    policy = HFPolicy(_cfg(), tiny_qwen2)
+    policy = HFPolicy.from_run_config(_cfg(), tiny_qwen2)
     before = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
     out = policy.train_minibatch(_batch(), lambda rows, lp, ent: lp.sum() * float("nan"))
     assert out["skipped"] == 1.0
@@ -105,10 +104,10 @@ def test_non_finite_surrogate_skips_the_update(tiny_qwen2):
 
 
 def test_save_load_round_trip(tiny_qwen2, tmp_path):
-    policy = HFPolicy(_cfg(), tiny_qwen2)
+    policy = HFPolicy.from_run_config(_cfg(), tiny_qwen2)
     policy.train_minibatch(_batch(), lambda rows, lp, ent: -lp.sum())
     policy.save(tmp_path / "p")
-    other = HFPolicy(_cfg(), tiny_qwen2)
+    other = HFPolicy.from_run_config(_cfg(), tiny_qwen2)
     other.load(tmp_path / "p")
     assert other.updates == 1
     for (n, a), (_, b) in zip(policy.export_weights(), other.export_weights(), strict=True):
@@ -118,14 +117,3 @@ def test_save_load_round_trip(tiny_qwen2, tmp_path):
         p_.train_minibatch(_batch(seed=3), lambda rows, lp, ent: -lp.sum())
     for (n, a), (_, b) in zip(policy.export_weights(), other.export_weights(), strict=True):
         assert torch.equal(a, b), n
-
-
-def test_lr_schedule_never_starts_at_zero():
-    pc = _cfg(**{"policy.warmup_updates": 0}).policy
-    assert lr_at(0, pc, 100) == pc.lr  # the authors' warmup-0 schedule gives 0 here
-    pc = _cfg(**{"policy.warmup_updates": 4}).policy
-    assert [lr_at(u, pc, 100) for u in range(5)] == pytest.approx([pc.lr * k / 4 for k in (1, 2, 3, 4, 4)])
-    pc = _cfg(**{"policy.lr_schedule": "cosine", "policy.min_lr_ratio": 0.1}).policy
-    assert lr_at(0, pc, 100) == pytest.approx(pc.lr)
-    assert lr_at(50, pc, 100) == pytest.approx(pc.lr * (0.1 + 0.9 * 0.5))
-    assert lr_at(100, pc, 100) == pytest.approx(pc.lr * 0.1)

@@ -346,3 +346,13 @@ def test_transformers_fused_experts_and_checkpoint_names_translate_both_ways():
         list(weights.to_module_layout([("m.layers.0.mlp.experts.2.down_proj.weight", down[0])], shapes))
     with pytest.raises(ValueError, match=r"left out expert tensors of 1 fused tensor\(s\)"):
         list(weights.to_module_layout([(name, ckpt[name])], shapes))
+
+
+def test_dtypes_cover_every_policy_dtype_the_config_accepts():
+    import typing
+
+    from nemo_disco.config import PolicyConfig
+
+    names = typing.get_args(PolicyConfig.model_fields["dtype"].annotation)
+    assert set(weights.DTYPES) == set(names)
+    assert weights.DTYPES["bfloat16"] is torch.bfloat16 and weights.DTYPES["float32"] is torch.float32

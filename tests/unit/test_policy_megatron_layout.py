@@ -1,4 +1,4 @@
-"""Single-process checks of how MegatronPolicy lays out micro-batches (padded and packed THD).
+"""How the Megatron policy lays out a micro-batch for the model (padded and packed THD).
 
 The packed layout only runs on GPU with Transformer Engine; its index arithmetic is checked here on CPU.
 """
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nemo_disco.batch import collate
-from nemo_disco.policy.megatron import _prepare, split_microbatches
+from nemo_disco.policy.megatron_layout import prepare_microbatch
 
 
 def _batch():
@@ -21,14 +21,14 @@ def _batch():
 @pytest.mark.parametrize("packed", [False, True])
 def test_targets_at_the_response_index_are_the_response_tokens(packed):
     batch = _batch()
-    mb = _prepare(batch, torch.arange(3), packed=packed, device=torch.device("cpu"))
+    mb = prepare_microbatch(batch, torch.arange(3), packed=packed, device=torch.device("cpu"))
     picked = mb.targets.reshape(-1)[mb.response_index]  # [n, r]: the token each predicting position must score
     assert picked[mb.response_mask].tolist() == [21, 22, 23, 24]
     assert mb.response_mask.tolist() == [[True, True, True], [True, False, False], [False, False, False]]
 
 
 def test_padded_layout_starts_every_sequence_at_position_zero():
-    mb = _prepare(_batch(), torch.arange(3), packed=False, device=torch.device("cpu"))
+    mb = prepare_microbatch(_batch(), torch.arange(3), packed=False, device=torch.device("cpu"))
     # lengths 5, 2, 3 -> width 5; real tokens first, pad id 0 after them.
     assert mb.input_ids.tolist() == [[11, 12, 21, 22, 23], [13, 24, 0, 0, 0], [14, 15, 16, 0, 0]]
     assert mb.position_ids[0].tolist() == [0, 1, 2, 3, 4]
@@ -39,7 +39,7 @@ def test_padded_layout_starts_every_sequence_at_position_zero():
 
 
 def test_packed_layout_concatenates_real_tokens():
-    mb = _prepare(_batch(), torch.arange(3), packed=True, device=torch.device("cpu"))
+    mb = prepare_microbatch(_batch(), torch.arange(3), packed=True, device=torch.device("cpu"))
     assert mb.input_ids.tolist() == [[11, 12, 21, 22, 23, 13, 24, 14, 15, 16]]
     assert mb.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 0, 1, 2]]
     assert mb.packed.cu_seqlens_q.tolist() == [0, 5, 7, 10] and mb.packed.max_seqlen_q == 5
@@ -47,17 +47,7 @@ def test_packed_layout_concatenates_real_tokens():
     assert mb.response_index[1, 0].item() == 5  # row 1 starts at 5; its prompt (1 token) predicts 24 there
 
 
-def test_microbatches_by_token_budget():
-    batch = _batch()  # prompt / response lengths (2, 3), (1, 1), (3, 0)
-    # Padded: rows 0+1 cost 2 x (2 + 3) = 10 tokens; adding row 2 costs 3 x (3 + 3) = 18 > 12.
-    assert [g.tolist() for g in split_microbatches(batch, 12, packed=False)] == [[0, 1], [2]]
-    # Packed: real tokens 5 + 2 = 7 <= 8, + 3 = 10 > 8.
-    assert [g.tolist() for g in split_microbatches(batch, 8, packed=True)] == [[0, 1], [2]]
-    # A budget below one row still gives one row per micro-batch.
-    assert [g.tolist() for g in split_microbatches(batch, 1, packed=False)] == [[0], [1], [2]]
-
-
 def test_empty_prompt_is_refused():
     batch = collate([[], [5]], [[6], [7]], [[0.0], [0.0]], [0, 1], [1.0, 1.0], pad_id=0)
     with pytest.raises(ValueError, match="rollout 0 has an empty prompt"):
-        _prepare(batch, torch.arange(2), packed=False, device=torch.device("cpu"))
+        prepare_microbatch(batch, torch.arange(2), packed=False, device=torch.device("cpu"))

@@ -1,0 +1,68 @@
+"""The rollout batch's micro-batcher: what a group of rows costs under each policy's layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nemo_disco.batch import collate, split_microbatches
+
+
+def _batch(group_ids: list[int] | None = None):
+    # prompts (left-padded to P = 3) and responses (right-padded to R = 3); row 2 has an empty response.
+    # Real lengths (prompt, response): (2, 3), (1, 1), (3, 0).
+    return collate([[11, 12], [13], [14, 15, 16]], [[21, 22, 23], [24], []], [[0.0] * 3, [0.0], []],
+                   group_ids or [0, 1, 2], [1.0] * 3, pad_id=0)  # fmt: skip
+
+
+def _split(batch, max_tokens: int, layout: str) -> list[list[int]]:
+    return [rows.tolist() for rows in split_microbatches(batch, max_tokens, layout)]
+
+
+def test_trimmed_layout_costs_rows_times_the_longest_prompt_and_response():
+    # Rows 0+1 cost 2 x (2 + 3) = 10 tokens; adding row 2 costs 3 x (3 + 3) = 18 > 12.
+    assert _split(_batch(), 12, "trimmed") == [[0, 1], [2]]
+    assert _split(_batch(), 18, "trimmed") == [[0, 1, 2]]
+
+
+def test_packed_layout_costs_the_real_tokens():
+    # Real tokens 5 + 2 = 7 <= 8; + 3 = 10 > 8.
+    assert _split(_batch(), 8, "packed") == [[0, 1], [2]]
+    assert _split(_batch(), 10, "packed") == [[0, 1, 2]]
+
+
+def test_batch_width_layout_costs_every_row_at_the_padded_width():
+    # Every row costs P + R = 6 tokens whatever its real length: 12 tokens hold two rows, 17 still two.
+    assert _split(_batch(), 12, "batch_width") == [[0, 1], [2]]
+    assert _split(_batch(), 17, "batch_width") == [[0, 1], [2]]
+    assert _split(_batch(), 18, "batch_width") == [[0, 1, 2]]
+
+
+@pytest.mark.parametrize("layout", ["batch_width", "trimmed", "packed"])
+def test_a_budget_below_one_row_still_gives_one_row_per_microbatch(layout):
+    assert _split(_batch(), 1, layout) == [[0], [1], [2]]
+
+
+@pytest.mark.parametrize("layout", ["batch_width", "trimmed", "packed"])
+def test_a_question_stays_in_one_microbatch_where_it_fits(layout):
+    # Rows 1 and 2 are one question: with room for two rows they move together rather than row 1 joining row 0.
+    # (trimmed: rows 1+2 cost 2 x (3 + 1) = 8; packed: 2 + 3 = 5; batch_width: 2 x 6 = 12.)
+    budget = {"batch_width": 12, "trimmed": 10, "packed": 7}[layout]
+    assert _split(_batch([0, 1, 1]), budget, layout) == [[0], [1, 2]]
+
+
+def test_batch_width_never_exceeds_budget_over_width_rows():
+    # The transformers policy's rule: max(1, budget // width) rows per micro-batch, questions kept together.
+    gen = torch.Generator().manual_seed(0)
+    n = 11
+    batch = collate([[1] * 2] * n, [[2] * 3] * n, [[0.0] * 3] * n, [0, 0, 0, 1, 1, 2, 3, 3, 3, 3, 4], [1.0] * n,
+                    pad_id=0)  # fmt: skip
+    for budget in torch.randint(1, 60, (20,), generator=gen).tolist():
+        rows = max(1, budget // 5)
+        for part in split_microbatches(batch, budget, "batch_width"):
+            assert 1 <= len(part) <= rows
+
+
+def test_unknown_layout_is_refused():
+    with pytest.raises(ValueError, match="'thd' is not one of"):
+        split_microbatches(_batch(), 8, "thd")
