@@ -54,7 +54,7 @@ from typing import Any
 
 import torch
 
-from nemo_disco import checkpoint, distributed, losses, rollouts, stats, update, watchdog, weights
+from nemo_disco import checkpoint, data, distributed, losses, rollouts, stats, update, watchdog, weights
 from nemo_disco import config as config_lib
 from nemo_disco.batch import RolloutBatch, collate
 from nemo_disco.config import ConfigError, RunConfig
@@ -126,7 +126,7 @@ def prepare_model(cfg: RunConfig, run_dir: Path) -> Path:
             tmp = run_dir / "init_model.tmp"
             tiny.build_model(cfg.policy.tiny, tmp, seed=a.seed)
             if a.warmup_sft_steps:
-                problems, _ = load_problems(cfg.data.train, **rollouts.data_kwargs(cfg))
+                problems, _ = load_problems(cfg.data.train, **data.data_kwargs(cfg.data))
                 tiny.warm_up(tmp, problems, cfg, held_out)
             tmp.rename(model_dir)
     distributed.barrier()
@@ -135,7 +135,7 @@ def prepare_model(cfg: RunConfig, run_dir: Path) -> Path:
 
 def _warmup_eval_problems(cfg: RunConfig) -> list:
     """The held-out problems the warm-up's accuracy target is measured on: data.val after the validation ones."""
-    problems, _ = load_problems(cfg.data.val, **{**rollouts.data_kwargs(cfg), "on_bad_row": "skip"})
+    problems, _ = load_problems(cfg.data.val, **data.data_kwargs(cfg.data, val=True))
     first, n = cfg.data.val_max_problems, cfg.algorithm.warmup_eval_problems
     if len(problems) < first + n:
         raise ConfigError(
@@ -204,8 +204,11 @@ def setup(cfg: RunConfig, role: tuple[distributed.DistEnv, distributed.Link] | N
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    problems, prompt_ids, skipped, dropped = rollouts.train_problems(cfg, tokenizer)
-    sampler = rollouts.new_sampler(cfg, len(problems))
+    max_prompt_tokens, prompts_per_step = cfg.generation.max_prompt_tokens, cfg.algorithm.prompts_per_step
+    problems, prompt_ids, skipped, dropped = data.train_problems(
+        cfg.data, tokenizer, max_prompt_tokens=max_prompt_tokens, prompts_per_step=prompts_per_step
+    )
+    sampler = data.new_sampler(cfg.data, len(problems), prompts_per_step)
     # Synchronous: the generator first (asleep when colocated), so that vLLM finds the GPU's memory free.
     generator = rollouts.start_generator(cfg, model_dir) if role is None else None
     policy = build_policy(cfg, model_dir)
@@ -270,7 +273,9 @@ def setup(cfg: RunConfig, role: tuple[distributed.DistEnv, distributed.Link] | N
             grader=rollouts.build_grader(cfg),
             engines=EngineLayout.of(env.rank, env.world_size, cfg.generation.tensor_parallel_size),
         )
-        source = rollouts.LocalRollouts(ro, policy, ref_policy, rollouts.val_problems(cfg, tokenizer))
+        source = rollouts.LocalRollouts(
+            ro, policy, ref_policy, data.val_problems(cfg.data, tokenizer, max_prompt_tokens=max_prompt_tokens)
+        )
     return Trainer(
         cfg=cfg,
         env=env,

@@ -30,14 +30,10 @@ from nemo_disco.rollouts.rollouter import (
     Rollouter,
     build_generator,
     build_grader,
-    data_kwargs,
-    new_sampler,
     sampling_params,
     staleness_metrics,
     step_rollouts,
     step_seed,
-    train_problems,
-    val_problems,
 )
 
 __all__ = [
@@ -47,10 +43,8 @@ __all__ = [
     "Rollouter",
     "build_generator",
     "build_grader",
-    "data_kwargs",
     "generation_phase",
     "is_colocated",
-    "new_sampler",
     "receive_weights",
     "sampling_params",
     "send_weights",
@@ -59,8 +53,6 @@ __all__ = [
     "start_generator",
     "step_rollouts",
     "step_seed",
-    "train_problems",
-    "val_problems",
 ]
 
 

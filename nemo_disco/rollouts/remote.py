@@ -39,7 +39,7 @@ import torch
 
 from nemo_disco import distributed
 from nemo_disco.config import RunConfig
-from nemo_disco.data import PromptSampler
+from nemo_disco.data import PromptSampler, new_sampler, train_problems, val_problems
 from nemo_disco.generation.base import EngineLayout
 from nemo_disco.policy.base import Policy
 from nemo_disco.rollouts import rollouter
@@ -268,10 +268,13 @@ def serve(cfg: RunConfig, env: distributed.DistEnv, link: distributed.Link, wd: 
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    problems, prompt_ids, _, _ = rollouter.train_problems(cfg, tokenizer)
-    sampler = rollouter.new_sampler(cfg, len(problems))
+    max_prompt_tokens, prompts_per_step = cfg.generation.max_prompt_tokens, cfg.algorithm.prompts_per_step
+    problems, prompt_ids, _, _ = train_problems(
+        cfg.data, tokenizer, max_prompt_tokens=max_prompt_tokens, prompts_per_step=prompts_per_step
+    )
+    sampler = new_sampler(cfg.data, len(problems), prompts_per_step)
     sampler.load_state_dict(start["sampler"])
-    val = rollouter.val_problems(cfg, tokenizer)
+    val = val_problems(cfg.data, tokenizer, max_prompt_tokens=max_prompt_tokens)
     ro = Rollouter(
         cfg=cfg,
         tokenizer=tokenizer,

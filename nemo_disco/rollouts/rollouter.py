@@ -10,60 +10,14 @@ from pathlib import Path
 from typing import Any
 
 from nemo_disco import distributed
-from nemo_disco.config import ConfigError, RunConfig
-from nemo_disco.data import PromptSampler, encode_run_prompts, load_problems
+from nemo_disco.config import RunConfig
+from nemo_disco.data import PromptSampler
 from nemo_disco.generation.base import EngineLayout, Generator, SamplingParams
 from nemo_disco.metrics import Timer
 from nemo_disco.rewards import GraderPool
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Data and engines
-
-
-def data_kwargs(cfg: RunConfig) -> dict[str, Any]:
-    """Keyword arguments of :func:`nemo_disco.data.load_problems` for the run's data."""
-    return {
-        "split": cfg.data.split,
-        "on_bad_row": cfg.data.on_bad_row,
-        "synthetic_size": cfg.data.synthetic_size,
-        "seed": cfg.data.seed,
-    }
-
-
-def train_problems(cfg: RunConfig, tokenizer: Any) -> tuple[list, list[list[int]], int, int]:
-    """The training questions the run samples from, encoded.
-
-    Returns:
-        Problems, their prompt ids, bad rows skipped, prompts dropped as too long.
-
-    Raises:
-        ConfigError: fewer usable problems than ``algorithm.prompts_per_step``.
-    """
-    problems, skipped = load_problems(cfg.data.train, **data_kwargs(cfg))
-    prompt_ids, kept, dropped = encode_run_prompts(tokenizer, problems, cfg)
-    problems = [problems[i] for i in kept]
-    if len(problems) < cfg.algorithm.prompts_per_step:
-        raise ConfigError(
-            f"data.train={cfg.data.train!r} has {len(problems)} usable problems, fewer than "
-            f"algorithm.prompts_per_step={cfg.algorithm.prompts_per_step}"
-        )
-    return problems, prompt_ids, skipped, dropped
-
-
-def val_problems(cfg: RunConfig, tokenizer: Any) -> tuple[list, list[list[int]]] | None:
-    """The validation problems (the first ``data.val_max_problems`` of ``data.val``) and their prompt ids."""
-    if not cfg.data.val:
-        return None
-    problems, _ = load_problems(cfg.data.val, **{**data_kwargs(cfg), "on_bad_row": "skip"})
-    if cfg.data.val_max_problems:
-        problems = problems[: cfg.data.val_max_problems]
-    ids, kept, _ = encode_run_prompts(tokenizer, problems, cfg)
-    return [problems[i] for i in kept], ids
-
-
-def new_sampler(cfg: RunConfig, num_problems: int) -> PromptSampler:
-    """The run's deterministic, resumable question order."""
-    return PromptSampler(num_problems, cfg.algorithm.prompts_per_step, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
+# Engines
 
 
 def build_generator(cfg: RunConfig, model_dir: Path) -> Generator:
