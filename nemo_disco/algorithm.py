@@ -59,7 +59,6 @@ from nemo_disco import config as config_lib
 from nemo_disco.batch import RolloutBatch, collate
 from nemo_disco.config import ConfigError, RunConfig
 from nemo_disco.data import PromptSampler, load_problems
-from nemo_disco.generation.base import EngineLayout
 from nemo_disco.metrics import MetricsLogger, Timer, read_jsonl
 from nemo_disco.policy import build_policy
 from nemo_disco.policy.base import Policy
@@ -263,16 +262,7 @@ def setup(cfg: RunConfig, role: tuple[distributed.DistEnv, distributed.Link] | N
                 "rollouts are trained on as if the current policy had sampled them"
             )
     else:
-        ro = rollouts.Rollouter(
-            cfg=cfg,
-            tokenizer=tokenizer,
-            problems=problems,
-            prompt_ids=prompt_ids,
-            sampler=sampler,
-            generator=generator,
-            grader=rollouts.build_grader(cfg),
-            engines=EngineLayout.of(env.rank, env.world_size, cfg.generation.tensor_parallel_size),
-        )
+        ro = rollouts.build_rollouter(cfg, env, tokenizer, problems, prompt_ids, sampler, generator)
         source = rollouts.LocalRollouts(
             ro, policy, ref_policy, data.val_problems(cfg.data, tokenizer, max_prompt_tokens=max_prompt_tokens)
         )

@@ -40,10 +40,9 @@ import torch
 from nemo_disco import distributed
 from nemo_disco.config import RunConfig
 from nemo_disco.data import PromptSampler, new_sampler, train_problems, val_problems
-from nemo_disco.generation.base import EngineLayout
 from nemo_disco.policy.base import Policy
 from nemo_disco.rollouts import rollouter
-from nemo_disco.rollouts.rollouter import Rollouter, staleness_metrics
+from nemo_disco.rollouts.rollouter import staleness_metrics
 
 #: Tensors in a weight bucket start at multiples of this many bytes (any dtype's view is aligned).
 _ALIGN = 64
@@ -275,15 +274,8 @@ def serve(cfg: RunConfig, env: distributed.DistEnv, link: distributed.Link, wd: 
     sampler = new_sampler(cfg.data, len(problems), prompts_per_step)
     sampler.load_state_dict(start["sampler"])
     val = val_problems(cfg.data, tokenizer, max_prompt_tokens=max_prompt_tokens)
-    ro = Rollouter(
-        cfg=cfg,
-        tokenizer=tokenizer,
-        problems=problems,
-        prompt_ids=prompt_ids,
-        sampler=sampler,
-        generator=rollouter.build_generator(cfg, model_dir),
-        grader=rollouter.build_grader(cfg),
-        engines=EngineLayout.of(env.rank, env.world_size, cfg.generation.tensor_parallel_size),
+    ro = rollouter.build_rollouter(
+        cfg, env, tokenizer, problems, prompt_ids, sampler, rollouter.build_generator(cfg, model_dir)
     )
     sender = _Sender(link if env.rank == 0 else None)
     a = cfg.algorithm

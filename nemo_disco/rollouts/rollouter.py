@@ -179,6 +179,32 @@ class Rollouter:
         self.generator.shutdown()
 
 
+def build_rollouter(
+    cfg: RunConfig,
+    env: distributed.DistEnv,
+    tokenizer: Any,
+    problems: list,
+    prompt_ids: list[list[int]],
+    sampler: PromptSampler,
+    generator: Generator,
+) -> Rollouter:
+    """The run's :class:`Rollouter` on ``generator``, its grading workers started.
+
+    Its engines are laid out over the processes of ``env``: the trainer's, or with asynchronous rollouts the
+    generator's.
+    """
+    return Rollouter(
+        cfg=cfg,
+        tokenizer=tokenizer,
+        problems=problems,
+        prompt_ids=prompt_ids,
+        sampler=sampler,
+        generator=generator,
+        grader=build_grader(cfg),
+        engines=EngineLayout.of(env.rank, env.world_size, cfg.generation.tensor_parallel_size),
+    )
+
+
 def _shape_overlong(cfg: RunConfig, records: list[dict]) -> None:
     """DAPO overlong reward shaping: a linear penalty over the last ``overlong_buffer_tokens`` of the budget."""
     a = cfg.algorithm

@@ -121,3 +121,39 @@ def test_dynamic_sampling_stops_at_the_informative_share(share, per_round, round
     assert metrics["train/informative_share"] == informative
     assert metrics["timing/generate"] == rounds  # each round's metrics add up
     assert [r["rewards"] for r in records[: int(informative * 10)]] == [[1.0, 0.0]] * int(informative * 10)
+
+
+def test_build_rollouter_samples_and_grades_a_step_on_one_engine(tiny_qwen2):
+    from transformers import AutoTokenizer
+
+    from nemo_disco.data import new_sampler, train_problems
+    from nemo_disco.distributed import DistEnv
+    from nemo_disco.rollouts import build_generator, build_rollouter
+
+    cfg = config.load(
+        config.Path(__file__).resolve().parents[2] / "recipes" / "tiny-cpu.yaml",
+        [
+            f"policy.model_path={tiny_qwen2}",
+            "data.synthetic_size=16",
+            "algorithm.prompts_per_step=4",
+            "algorithm.minibatch_prompts=4",
+            "reward.workers=1",
+        ],
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_qwen2))
+    problems, prompt_ids, _, _ = train_problems(cfg.data, tokenizer, max_prompt_tokens=32, prompts_per_step=4)
+    sampler = new_sampler(cfg.data, len(problems), 4)
+    env = DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0)
+    ro = build_rollouter(cfg, env, tokenizer, problems, prompt_ids, sampler, build_generator(cfg, tiny_qwen2))
+    try:
+        assert (ro.engines.index, ro.engines.leader) == (0, True)
+        records, metrics = step_rollouts(ro, 1)
+    finally:
+        ro.close()
+    assert [r["question"] for r in records] == new_sampler(cfg.data, len(problems), 4).next_batch()
+    g = cfg.algorithm.rollouts_per_prompt
+    for rec in records:
+        assert rec["prompt"] == prompt_ids[rec["question"]]
+        assert len(rec["responses"]) == len(rec["logprobs"]) == len(rec["finish"]) == len(rec["rewards"]) == g
+        assert all(len(lp) == len(resp) <= 12 for lp, resp in zip(rec["logprobs"], rec["responses"], strict=True))
+    assert metrics["reward/timeouts"] == metrics["reward/errors"] == 0.0 and metrics["timing/generate"] > 0
