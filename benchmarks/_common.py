@@ -537,15 +537,15 @@ def _generator_main(argv: Sequence[str]) -> int:
     args.overrides = list(argv[cut + 1 :])
     threads = set_threads(args.threads)
     from nemo_disco import algorithm
-    from nemo_disco.rollouts import rollouter
+    from nemo_disco.generation import factory
 
     if args.fixed_length:
-        build = rollouter.build_generator  # serve() builds its engine through this module-level name
+        build = factory.build_run_generator  # serve() builds its engine through this module-level name
 
         def build_fixed(cfg: Any, model_dir: Path) -> FixedLengthGenerator:
             return FixedLengthGenerator(build(cfg, model_dir))
 
-        rollouter.build_generator = build_fixed
+        factory.build_run_generator = build_fixed
     algorithm.train(load_config(args.run_dir, args.overrides))
     (args.run_dir / "generator.json").write_text(json.dumps({"threads": threads}))
     return 0

@@ -28,7 +28,6 @@ from nemo_disco.rollouts.local import LocalRollouts, generation_phase, is_coloca
 from nemo_disco.rollouts.remote import RemoteRollouts, receive_weights, send_weights, serve
 from nemo_disco.rollouts.rollouter import (
     Rollouter,
-    build_generator,
     build_grader,
     build_rollouter,
     sampling_params,
@@ -42,7 +41,6 @@ __all__ = [
     "RemoteRollouts",
     "RolloutSource",
     "Rollouter",
-    "build_generator",
     "build_grader",
     "build_rollouter",
     "generation_phase",

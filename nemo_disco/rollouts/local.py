@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from nemo_disco.config import RunConfig
+from nemo_disco.generation import factory
 from nemo_disco.generation.base import Generator
 from nemo_disco.metrics import Timer
 from nemo_disco.policy.base import Policy
@@ -25,7 +26,7 @@ def start_generator(cfg: RunConfig, model_dir: Path) -> Generator:
     and their optimizer state, an 8B model on an 80 GB GPU is within a few GB of that limit. Built first and put
     to sleep at once (NeMo-RL's order), it leaves the GPU to the policy until the first generation phase wakes it.
     """
-    generator = rollouter.build_generator(cfg, model_dir)
+    generator = factory.build_run_generator(cfg, model_dir)
     if is_colocated(cfg):
         generator.sleep()
     return generator

@@ -40,6 +40,8 @@ import torch
 from nemo_disco import distributed
 from nemo_disco.config import RunConfig
 from nemo_disco.data import PromptSampler, new_sampler, train_problems, val_problems
+from nemo_disco.generation import factory
+from nemo_disco.generation.base import buckets
 from nemo_disco.policy.base import Policy
 from nemo_disco.rollouts import rollouter
 from nemo_disco.rollouts.rollouter import staleness_metrics
@@ -57,20 +59,11 @@ def send_weights(link: distributed.Link | None, weights: Iterable[tuple[str, tor
     The other trainer ranks pass ``link=None`` and only drain the iterator, which may be collective (Megatron
     gathers tensor- and pipeline-parallel shards).
     """
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, t in weights:
-        if link is None:
-            continue
-        nbytes = _aligned(t.numel() * t.element_size())
-        if bucket and size + nbytes > bucket_bytes:
-            _send_bucket(link, bucket)
-            bucket, size = [], 0
-        bucket.append((name, t.detach()))
-        size += nbytes
     if link is None:
+        for _ in weights:
+            pass
         return
-    if bucket:
+    for bucket in buckets(((name, t.detach()) for name, t in weights), bucket_bytes, align=_ALIGN):
         _send_bucket(link, bucket)
     link.send_down({"tensors": None})
 
@@ -275,7 +268,7 @@ def serve(cfg: RunConfig, env: distributed.DistEnv, link: distributed.Link, wd: 
     sampler.load_state_dict(start["sampler"])
     val = val_problems(cfg.data, tokenizer, max_prompt_tokens=max_prompt_tokens)
     ro = rollouter.build_rollouter(
-        cfg, env, tokenizer, problems, prompt_ids, sampler, rollouter.build_generator(cfg, model_dir)
+        cfg, env, tokenizer, problems, prompt_ids, sampler, factory.build_run_generator(cfg, model_dir)
     )
     sender = _Sender(link if env.rank == 0 else None)
     a = cfg.algorithm

@@ -6,42 +6,18 @@ import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from nemo_disco import distributed
 from nemo_disco.config import RunConfig
 from nemo_disco.data import PromptSampler
 from nemo_disco.generation.base import EngineLayout, Generator, SamplingParams
+from nemo_disco.generation.factory import stop_token_ids
 from nemo_disco.metrics import Timer
 from nemo_disco.rewards import GraderPool
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Engines
-
-
-def build_generator(cfg: RunConfig, model_dir: Path) -> Generator:
-    """The generator named by ``generation.backend``."""
-    g = cfg.generation
-    if g.backend == "hf":
-        from nemo_disco.generation.hf import HFGenerator
-
-        return HFGenerator(model_dir, dtype=cfg.policy.dtype, batch_size=g.hf_batch_size, decode=g.hf_decode)
-    from nemo_disco.generation.vllm import VLLMGenerator
-
-    return VLLMGenerator(
-        model_dir,
-        tensor_parallel_size=g.tensor_parallel_size,
-        gpu_memory_utilization=g.gpu_memory_utilization,
-        enforce_eager=g.enforce_eager,
-        max_model_len=g.max_prompt_tokens + g.max_response_tokens,
-        max_num_batched_tokens=g.max_num_batched_tokens,
-        sleep_level=g.sleep_level,
-        load_format="dummy",
-        seed=cfg.algorithm.seed,
-        dtype=cfg.policy.dtype,
-        refit_bucket_mb=g.refit_bucket_mb,
-    )
 
 
 def build_grader(cfg: RunConfig) -> GraderPool:
@@ -51,18 +27,14 @@ def build_grader(cfg: RunConfig) -> GraderPool:
 
 
 def sampling_params(cfg: RunConfig, tokenizer: Any, seed: int, max_tokens: int | None = None) -> SamplingParams:
-    """The run's sampling settings; the stop set is the tokenizer's EOS and ``<|im_end|>`` where it exists."""
+    """The run's sampling settings (the stop set: :func:`nemo_disco.generation.factory.stop_token_ids`)."""
     g = cfg.generation
-    stops = {tokenizer.eos_token_id}
-    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tokenizer.get_vocab() else None
-    if im_end is not None:
-        stops.add(im_end)
     return SamplingParams(
         temperature=g.temperature,
         top_p=g.top_p,
         top_k=g.top_k,
         max_tokens=max_tokens or g.max_response_tokens,
-        stop_token_ids=tuple(sorted(s for s in stops if s is not None)),
+        stop_token_ids=stop_token_ids(tokenizer),
         seed=seed,
     )
 

@@ -28,10 +28,11 @@ def test_setup_starts_the_generator_asleep_before_the_policy_fills_the_gpu(tiny_
     # vLLM refuses to start when less than its gpu_memory_utilization share is free: it must be built (and put to
     # sleep) before the policy and the reference policy, as NeMo-RL does. The real objects run; calls are recorded.
     from nemo_disco import algorithm
-    from nemo_disco.rollouts import local, rollouter
+    from nemo_disco.generation import factory
+    from nemo_disco.rollouts import local
 
     log: list[str] = []
-    build_generator, build_policy = rollouter.build_generator, algorithm.build_policy
+    build_generator, build_policy = factory.build_run_generator, algorithm.build_policy
 
     def generator(cfg, model_dir):  # noqa: ANN001, ANN202
         log.append("build_generator")
@@ -41,7 +42,7 @@ def test_setup_starts_the_generator_asleep_before_the_policy_fills_the_gpu(tiny_
         log.append(f"build_policy(trainable={trainable})")
         return build_policy(cfg, model_dir, trainable=trainable)
 
-    monkeypatch.setattr(rollouter, "build_generator", generator)
+    monkeypatch.setattr(factory, "build_run_generator", generator)
     monkeypatch.setattr(algorithm, "build_policy", policy)
     monkeypatch.setattr(local, "is_colocated", lambda cfg: True)  # as vLLM on a GPU
     cfg = config.load(

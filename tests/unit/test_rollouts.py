@@ -128,7 +128,8 @@ def test_build_rollouter_samples_and_grades_a_step_on_one_engine(tiny_qwen2):
 
     from nemo_disco.data import new_sampler, train_problems
     from nemo_disco.distributed import DistEnv
-    from nemo_disco.rollouts import build_generator, build_rollouter
+    from nemo_disco.generation.factory import build_run_generator
+    from nemo_disco.rollouts import build_rollouter
 
     cfg = config.load(
         config.Path(__file__).resolve().parents[2] / "recipes" / "tiny-cpu.yaml",
@@ -144,7 +145,7 @@ def test_build_rollouter_samples_and_grades_a_step_on_one_engine(tiny_qwen2):
     problems, prompt_ids, _, _ = train_problems(cfg.data, tokenizer, max_prompt_tokens=32, prompts_per_step=4)
     sampler = new_sampler(cfg.data, len(problems), 4)
     env = DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0)
-    ro = build_rollouter(cfg, env, tokenizer, problems, prompt_ids, sampler, build_generator(cfg, tiny_qwen2))
+    ro = build_rollouter(cfg, env, tokenizer, problems, prompt_ids, sampler, build_run_generator(cfg, tiny_qwen2))
     try:
         assert (ro.engines.index, ro.engines.leader) == (0, True)
         records, metrics = step_rollouts(ro, 1)
