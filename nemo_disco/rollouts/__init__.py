@@ -5,7 +5,7 @@ The trainer (:mod:`nemo_disco.algorithm`) sees one small interface, :class:`Roll
 - ``next(step)``: the graded rollouts of training step ``step`` and their metrics;
 - ``publish(step, ...)``: the policy has finished step ``step``; its weights are the generator's next ones;
 - ``validate(step, ...)``: per-problem pass@1 of the weights after ``step`` steps;
-- ``state_dict(step)`` / :func:`restore`: what a checkpoint needs to resume bit for bit; ``close``.
+- ``state_dict(step)``: what a checkpoint needs to resume bit for bit; ``close``.
 
 Two sources share the same :class:`Rollouter` (the code that samples, grades and tops up questions):
 

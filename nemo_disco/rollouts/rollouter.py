@@ -17,7 +17,7 @@ from nemo_disco.metrics import Timer
 from nemo_disco.rewards import GraderPool
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Engines
+# The run's grader, sampling settings and seeds
 
 
 def build_grader(cfg: RunConfig) -> GraderPool:
