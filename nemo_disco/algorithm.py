@@ -56,7 +56,7 @@ import torch
 
 from nemo_disco import checkpoint, data, distributed, losses, rollouts, stats, update, watchdog, weights
 from nemo_disco import config as config_lib
-from nemo_disco.batch import RolloutBatch, collate
+from nemo_disco.batch import QuestionRollouts, RolloutBatch, collate_questions
 from nemo_disco.config import ConfigError, RunConfig
 from nemo_disco.data import PromptSampler, load_problems
 from nemo_disco.metrics import MetricsLogger, Timer, read_jsonl
@@ -291,19 +291,6 @@ def _dp_slice(n: int, policy: Policy) -> slice:
     return slice(policy.dp_rank * per, (policy.dp_rank + 1) * per)
 
 
-def build_batch(tr: Trainer, records: list[dict]) -> RolloutBatch:
-    """The step's rollouts as one batch, question by question (rollouts of a question adjacent)."""
-    prompts, responses, lps, gids, rewards = [], [], [], [], []
-    for k, rec in enumerate(records):
-        for resp, lp, r in zip(rec["responses"], rec["logprobs"], rec["rewards"], strict=True):
-            prompts.append(rec["prompt"])
-            responses.append(resp)
-            lps.append(lp)
-            gids.append(k)
-            rewards.append(r)
-    return collate(prompts, responses, lps, gids, rewards, pad_id=tr.tokenizer.pad_token_id)
-
-
 def _reference_logprobs(tr: Trainer, local: RolloutBatch) -> torch.Tensor | None:
     """The reference policy's log-probs of this rank's rows (None without a reference).
 
@@ -348,7 +335,7 @@ def train_step(tr: Trainer) -> dict[str, float]:
     correction = update.Correction(cfg.rollout_correction, cfg.loss.rollout_correction_cap)
     with timer("step"):
         records, metrics = tr.rollouts.next(tr.step + 1)
-        batch = build_batch(tr, records)
+        batch = collate_questions(records, pad_id=tr.tokenizer.pad_token_id)
         num_mb = tr.cfg.updates_per_step
         local = batch.select(_local_rows(len(batch), num_mb, policy))
         per_mb_local = len(local) // num_mb
@@ -448,7 +435,7 @@ def _step_metrics(
     old: torch.Tensor,
     entropy: torch.Tensor,
     updates: list[dict[str, float]],
-    records: list[dict],
+    records: list[QuestionRollouts],
     threshold: float,
 ) -> dict[str, float]:
     mask = batch.response_mask
@@ -465,7 +452,7 @@ def _step_metrics(
         "train/reward_mean": float(batch.rewards.mean()),
         "train/response_length_mean": float(lengths.mean()),
         "train/response_length_max": float(lengths.max()),
-        "train/truncated_share": sum(f == "length" for rec in records for f in rec["finish"]) / len(batch),
+        "train/truncated_share": sum(f == "length" for rec in records for f in rec.finish) / len(batch),
         "train/entropy": float(entropy[mask].mean()) if mask.any() else 0.0,
         "train/old_logprob_mean": float(old[mask].mean()) if mask.any() else 0.0,
         "train/updates_skipped": float(sum(u.get("skipped", 0.0) for u in updates)),

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from nemo_disco.batch import QuestionRollouts
 from nemo_disco.data import PromptSampler
 from nemo_disco.rollouts.local import LocalRollouts, generation_phase, is_colocated, start_generator
 from nemo_disco.rollouts.remote import RemoteRollouts, receive_weights, send_weights, serve
@@ -61,7 +62,7 @@ class RolloutSource(Protocol):
 
     sampler: PromptSampler
 
-    def next(self, step: int) -> tuple[list[dict], dict[str, float]]:
+    def next(self, step: int) -> tuple[list[QuestionRollouts], dict[str, float]]:
         """Step ``step``'s records (identical on every trainer rank) and their metrics."""
         ...
 

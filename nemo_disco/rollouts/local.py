@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from nemo_disco.batch import QuestionRollouts
 from nemo_disco.config import RunConfig
 from nemo_disco.generation import factory
 from nemo_disco.generation.base import Generator
@@ -85,7 +86,7 @@ class LocalRollouts:
         """The generator."""
         return self.ro.generator
 
-    def next(self, step: int) -> tuple[list[dict], dict[str, float]]:
+    def next(self, step: int) -> tuple[list[QuestionRollouts], dict[str, float]]:
         """Refit if stale, then sample and grade step ``step`` (the generator keeps the GPU throughout)."""
         timer = Timer()
         with generation_phase(self, timer):

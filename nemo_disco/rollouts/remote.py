@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from nemo_disco import distributed
+from nemo_disco.batch import QuestionRollouts
 from nemo_disco.config import RunConfig
 from nemo_disco.data import PromptSampler, new_sampler, train_problems, val_problems
 from nemo_disco.generation import factory
@@ -135,7 +136,9 @@ class RemoteRollouts:
         self.cfg, self.link, self.policy, self.sampler, self.model_dir = cfg, link, policy, sampler, model_dir
         self.leader = distributed.rank() == 0
         # step -> rollouts received and not yet trained on (a resumed run starts with the checkpoint's)
-        self.pending: dict[int, dict] = {m["step"]: m for m in pending}
+        self.pending: dict[int, dict] = {
+            m["step"]: {**m, "records": [QuestionRollouts.from_dict(r) for r in m["records"]]} for m in pending
+        }
         self.validations: dict[int, dict] = {}
         self.sampler_state = sampler.state_dict()  # the generator's position after the newest rollouts received
 
@@ -164,7 +167,7 @@ class RemoteRollouts:
                 self.validations[msg["step"]] = msg
         return box.pop(step)
 
-    def next(self, step: int) -> tuple[list[dict], dict[str, float]]:
+    def next(self, step: int) -> tuple[list[QuestionRollouts], dict[str, float]]:
         """Wait for step ``step``'s rollouts (made while earlier steps trained) and share them over the trainer."""
         t0 = time.perf_counter()
         msg = self._receive("rollouts", step) if self.leader else None
@@ -198,7 +201,8 @@ class RemoteRollouts:
             last = min(step + self.cfg.algorithm.max_staleness, self.cfg.algorithm.steps)
             for s in range(step + 1, last + 1):
                 self.pending[s] = self._receive("rollouts", s)
-        return {"sampler": self.sampler_state, "pending_rollouts": [self.pending[s] for s in sorted(self.pending)]}
+        pending = [{**m, "records": [r.to_dict() for r in m["records"]]} for _, m in sorted(self.pending.items())]
+        return {"sampler": self.sampler_state, "pending_rollouts": pending}
 
     def close(self, code: int | None) -> None:
         """Tell the generator to stop with ``code`` (nothing after an error: the watchdog ends it)."""

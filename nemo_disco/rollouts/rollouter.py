@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nemo_disco import distributed
+from nemo_disco.batch import QuestionRollouts
 from nemo_disco.config import RunConfig
 from nemo_disco.data import PromptSampler
 from nemo_disco.generation.base import EngineLayout, Generator, SamplingParams
@@ -78,7 +79,7 @@ class Rollouter:
         parts = distributed.all_gather_object(items if self.engines.leader else [])
         return [x for part in parts for x in part]
 
-    def collect(self, question_ids: list[int], seed: int) -> tuple[list[dict], dict[str, float]]:
+    def collect(self, question_ids: list[int], seed: int) -> tuple[list[QuestionRollouts], dict[str, float]]:
         """Generate and grade ``rollouts_per_prompt`` responses for each question; identical on every rank.
 
         Each generation engine generates for its share of the questions (every rank of a tensor-parallel engine
@@ -105,14 +106,14 @@ class Rollouter:
         records = []
         for k, (q, rs) in enumerate(zip(local, rollouts, strict=True)):
             records.append(
-                {
-                    "question": q,
-                    "prompt": list(self.prompt_ids[q]),
-                    "responses": [list(r.token_ids) for r in rs],
-                    "logprobs": [list(r.logprobs) for r in rs],
-                    "finish": [r.finish_reason for r in rs],
-                    "rewards": scores[k * g : (k + 1) * g],
-                }
+                QuestionRollouts(
+                    question=q,
+                    prompt=list(self.prompt_ids[q]),
+                    responses=[list(r.token_ids) for r in rs],
+                    logprobs=[list(r.logprobs) for r in rs],
+                    finish=[r.finish_reason for r in rs],
+                    rewards=scores[k * g : (k + 1) * g],
+                )
             )
         records = self.gather_engines(records)
         timeouts, errors = distributed.sum_floats(
@@ -177,7 +178,7 @@ def build_rollouter(
     )
 
 
-def _shape_overlong(cfg: RunConfig, records: list[dict]) -> None:
+def _shape_overlong(cfg: RunConfig, records: list[QuestionRollouts]) -> None:
     """DAPO overlong reward shaping: a linear penalty over the last ``overlong_buffer_tokens`` of the budget."""
     a = cfg.algorithm
     if a.overlong_buffer_tokens == 0:
@@ -185,20 +186,22 @@ def _shape_overlong(cfg: RunConfig, records: list[dict]) -> None:
     limit = cfg.generation.max_response_tokens
     start = limit - a.overlong_buffer_tokens
     for rec in records:
-        rec["rewards"] = [
+        rec.rewards = [
             r - a.overlong_penalty * min(max(len(resp) - start, 0) / a.overlong_buffer_tokens, 1.0)
-            for r, resp in zip(rec["rewards"], rec["responses"], strict=True)
+            for r, resp in zip(rec.rewards, rec.responses, strict=True)
         ]
 
 
-def _has_variance(rec: dict, threshold: float) -> bool:
-    pos = sum(r > threshold for r in rec["rewards"])
-    return 0 < pos < len(rec["rewards"])
+def _has_variance(rec: QuestionRollouts, threshold: float) -> bool:
+    pos = sum(r > threshold for r in rec.rewards)
+    return 0 < pos < len(rec.rewards)
 
 
 def step_rollouts(
-    ro: Rollouter, step: int, collect: Callable[[list[int], int], tuple[list[dict], dict[str, float]]] | None = None
-) -> tuple[list[dict], dict[str, float]]:
+    ro: Rollouter,
+    step: int,
+    collect: Callable[[list[int], int], tuple[list[QuestionRollouts], dict[str, float]]] | None = None,
+) -> tuple[list[QuestionRollouts], dict[str, float]]:
     """Training step ``step``'s questions with their graded rollouts; dynamic sampling tops up informative ones.
 
     With ``algorithm.dynamic_sampling`` more rounds of questions are sampled (at most

@@ -71,13 +71,13 @@ def test_setup_starts_the_generator_asleep_before_the_policy_fills_the_gpu(tiny_
 
 def test_step_metrics_report_the_length_of_correct_and_of_wrong_rollouts():
     from nemo_disco.algorithm import _step_metrics
-    from nemo_disco.batch import collate
+    from nemo_disco.batch import QuestionRollouts, collate
 
     # Responses of 3, 5 (correct: reward 1) and 2, 6, 7 tokens (wrong: rewards 0, 0.5 at threshold 0.5, -1).
     lengths, rewards = [3, 5, 2, 6, 7], [1.0, 1.0, 0.0, 0.5, -1.0]
     batch = collate([[7]] * 5, [[9] * n for n in lengths], [[0.0] * n for n in lengths], [0, 0, 1, 1, 1], rewards, 0)
     zeros = torch.zeros_like(batch.response_mask, dtype=torch.float32)
-    records = [{"finish": ["stop"] * 2}, {"finish": ["stop"] * 3}]
+    records = [QuestionRollouts(q, [3], [[1]] * g, [[0.0]] * g, ["stop"] * g, [0.0] * g) for q, g in ((0, 2), (1, 3))]
     out = _step_metrics(batch, zeros, zeros, [], records, threshold=0.5)
     assert out["train/response_length_correct_mean"] == 4.0  # (3 + 5) / 2
     assert out["train/response_length_wrong_mean"] == 5.0  # (2 + 6 + 7) / 3

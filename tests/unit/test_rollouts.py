@@ -10,6 +10,7 @@ import torch
 from recorder import Recorder
 
 from nemo_disco import config
+from nemo_disco.batch import QuestionRollouts
 from nemo_disco.generation.hf import HFGenerator
 from nemo_disco.metrics import Timer
 from nemo_disco.policy.hf import HFPolicy
@@ -81,12 +82,17 @@ class _Sampler:
         return list(range(10))
 
 
+def _record(question: int, rewards: list[float]) -> QuestionRollouts:
+    g = len(rewards)
+    return QuestionRollouts(question, [3], [[1]] * g, [[-0.5]] * g, ["stop"] * g, rewards)
+
+
 def _collector(sampler: _Sampler, informative_per_round: list[int]):
     """Rounds of 10 questions of which the first ``k`` have a positive and a negative rollout."""
 
     def collect(question_ids, seed):  # noqa: ANN001, ANN202
         k = informative_per_round[min(sampler.calls, len(informative_per_round)) - 1]
-        records = [{"rewards": [1.0, 0.0] if i < k else [0.0, 0.0], "responses": [[1], [1]]} for i in question_ids]
+        records = [_record(i, [1.0, 0.0] if i < k else [0.0, 0.0]) for i in question_ids]
         return records, {"timing/generate": 1.0}
 
     return collect
@@ -120,7 +126,7 @@ def test_dynamic_sampling_stops_at_the_informative_share(share, per_round, round
     assert metrics["train/sampling_rounds"] == rounds and ro.sampler.calls == rounds
     assert metrics["train/informative_share"] == informative
     assert metrics["timing/generate"] == rounds  # each round's metrics add up
-    assert [r["rewards"] for r in records[: int(informative * 10)]] == [[1.0, 0.0]] * int(informative * 10)
+    assert [r.rewards for r in records[: int(informative * 10)]] == [[1.0, 0.0]] * int(informative * 10)
 
 
 def test_build_rollouter_samples_and_grades_a_step_on_one_engine(tiny_qwen2):
@@ -151,10 +157,10 @@ def test_build_rollouter_samples_and_grades_a_step_on_one_engine(tiny_qwen2):
         records, metrics = step_rollouts(ro, 1)
     finally:
         ro.close()
-    assert [r["question"] for r in records] == new_sampler(cfg.data, len(problems), 4).next_batch()
+    assert [r.question for r in records] == new_sampler(cfg.data, len(problems), 4).next_batch()
     g = cfg.algorithm.rollouts_per_prompt
     for rec in records:
-        assert rec["prompt"] == prompt_ids[rec["question"]]
-        assert len(rec["responses"]) == len(rec["logprobs"]) == len(rec["finish"]) == len(rec["rewards"]) == g
-        assert all(len(lp) == len(resp) <= 12 for lp, resp in zip(rec["logprobs"], rec["responses"], strict=True))
+        assert rec.prompt == prompt_ids[rec.question]
+        assert len(rec.responses) == len(rec.logprobs) == len(rec.finish) == len(rec.rewards) == g
+        assert all(len(lp) == len(resp) <= 12 for lp, resp in zip(rec.logprobs, rec.responses, strict=True))
     assert metrics["reward/timeouts"] == metrics["reward/errors"] == 0.0 and metrics["timing/generate"] > 0
