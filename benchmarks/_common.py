@@ -536,15 +536,16 @@ def _generator_main(argv: Sequence[str]) -> int:
     args = ap.parse_args(argv[:cut])
     args.overrides = list(argv[cut + 1 :])
     threads = set_threads(args.threads)
-    from nemo_disco import algorithm, rollouts
+    from nemo_disco import algorithm
+    from nemo_disco.generation import factory
 
     if args.fixed_length:
-        build = rollouts.build_generator  # serve() builds its engine through this module-level name
+        build = factory.build_run_generator  # serve() builds its engine through this module-level name
 
         def build_fixed(cfg: Any, model_dir: Path) -> FixedLengthGenerator:
             return FixedLengthGenerator(build(cfg, model_dir))
 
-        rollouts.build_generator = build_fixed
+        factory.build_run_generator = build_fixed
     algorithm.train(load_config(args.run_dir, args.overrides))
     (args.run_dir / "generator.json").write_text(json.dumps({"threads": threads}))
     return 0

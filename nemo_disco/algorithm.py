@@ -54,12 +54,11 @@ from typing import Any
 
 import torch
 
-from nemo_disco import checkpoint, distributed, losses, rollouts, stats, update, watchdog, weights
+from nemo_disco import checkpoint, data, distributed, losses, rollouts, stats, update, watchdog, weights
 from nemo_disco import config as config_lib
-from nemo_disco.batch import RolloutBatch, collate
+from nemo_disco.batch import QuestionRollouts, RolloutBatch, collate_questions
 from nemo_disco.config import ConfigError, RunConfig
 from nemo_disco.data import PromptSampler, load_problems
-from nemo_disco.generation.base import EngineLayout
 from nemo_disco.metrics import MetricsLogger, Timer, read_jsonl
 from nemo_disco.policy import build_policy
 from nemo_disco.policy.base import Policy
@@ -126,7 +125,7 @@ def prepare_model(cfg: RunConfig, run_dir: Path) -> Path:
             tmp = run_dir / "init_model.tmp"
             tiny.build_model(cfg.policy.tiny, tmp, seed=a.seed)
             if a.warmup_sft_steps:
-                problems, _ = load_problems(cfg.data.train, **rollouts.data_kwargs(cfg))
+                problems, _ = load_problems(cfg.data.train, **data.data_kwargs(cfg.data))
                 tiny.warm_up(tmp, problems, cfg, held_out)
             tmp.rename(model_dir)
     distributed.barrier()
@@ -135,7 +134,7 @@ def prepare_model(cfg: RunConfig, run_dir: Path) -> Path:
 
 def _warmup_eval_problems(cfg: RunConfig) -> list:
     """The held-out problems the warm-up's accuracy target is measured on: data.val after the validation ones."""
-    problems, _ = load_problems(cfg.data.val, **{**rollouts.data_kwargs(cfg), "on_bad_row": "skip"})
+    problems, _ = load_problems(cfg.data.val, **data.data_kwargs(cfg.data, val=True))
     first, n = cfg.data.val_max_problems, cfg.algorithm.warmup_eval_problems
     if len(problems) < first + n:
         raise ConfigError(
@@ -204,8 +203,11 @@ def setup(cfg: RunConfig, role: tuple[distributed.DistEnv, distributed.Link] | N
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    problems, prompt_ids, skipped, dropped = rollouts.train_problems(cfg, tokenizer)
-    sampler = rollouts.new_sampler(cfg, len(problems))
+    max_prompt_tokens, prompts_per_step = cfg.generation.max_prompt_tokens, cfg.algorithm.prompts_per_step
+    problems, prompt_ids, skipped, dropped = data.train_problems(
+        cfg.data, tokenizer, max_prompt_tokens=max_prompt_tokens, prompts_per_step=prompts_per_step
+    )
+    sampler = data.new_sampler(cfg.data, len(problems), prompts_per_step)
     # Synchronous: the generator first (asleep when colocated), so that vLLM finds the GPU's memory free.
     generator = rollouts.start_generator(cfg, model_dir) if role is None else None
     policy = build_policy(cfg, model_dir)
@@ -260,17 +262,10 @@ def setup(cfg: RunConfig, role: tuple[distributed.DistEnv, distributed.Link] | N
                 "rollouts are trained on as if the current policy had sampled them"
             )
     else:
-        ro = rollouts.Rollouter(
-            cfg=cfg,
-            tokenizer=tokenizer,
-            problems=problems,
-            prompt_ids=prompt_ids,
-            sampler=sampler,
-            generator=generator,
-            grader=rollouts.build_grader(cfg),
-            engines=EngineLayout.of(env.rank, env.world_size, cfg.generation.tensor_parallel_size),
+        ro = rollouts.build_rollouter(cfg, env, tokenizer, problems, prompt_ids, sampler, generator)
+        source = rollouts.LocalRollouts(
+            ro, policy, ref_policy, data.val_problems(cfg.data, tokenizer, max_prompt_tokens=max_prompt_tokens)
         )
-        source = rollouts.LocalRollouts(ro, policy, ref_policy, rollouts.val_problems(cfg, tokenizer))
     return Trainer(
         cfg=cfg,
         env=env,
@@ -294,19 +289,6 @@ def setup(cfg: RunConfig, role: tuple[distributed.DistEnv, distributed.Link] | N
 def _dp_slice(n: int, policy: Policy) -> slice:
     per = n // policy.dp_size
     return slice(policy.dp_rank * per, (policy.dp_rank + 1) * per)
-
-
-def build_batch(tr: Trainer, records: list[dict]) -> RolloutBatch:
-    """The step's rollouts as one batch, question by question (rollouts of a question adjacent)."""
-    prompts, responses, lps, gids, rewards = [], [], [], [], []
-    for k, rec in enumerate(records):
-        for resp, lp, r in zip(rec["responses"], rec["logprobs"], rec["rewards"], strict=True):
-            prompts.append(rec["prompt"])
-            responses.append(resp)
-            lps.append(lp)
-            gids.append(k)
-            rewards.append(r)
-    return collate(prompts, responses, lps, gids, rewards, pad_id=tr.tokenizer.pad_token_id)
 
 
 def _reference_logprobs(tr: Trainer, local: RolloutBatch) -> torch.Tensor | None:
@@ -353,7 +335,7 @@ def train_step(tr: Trainer) -> dict[str, float]:
     correction = update.Correction(cfg.rollout_correction, cfg.loss.rollout_correction_cap)
     with timer("step"):
         records, metrics = tr.rollouts.next(tr.step + 1)
-        batch = build_batch(tr, records)
+        batch = collate_questions(records, pad_id=tr.tokenizer.pad_token_id)
         num_mb = tr.cfg.updates_per_step
         local = batch.select(_local_rows(len(batch), num_mb, policy))
         per_mb_local = len(local) // num_mb
@@ -466,7 +448,7 @@ def _step_metrics(
     old: torch.Tensor,
     entropy: torch.Tensor,
     updates: list[dict[str, float]],
-    records: list[dict],
+    records: list[QuestionRollouts],
     threshold: float,
 ) -> dict[str, float]:
     mask = batch.response_mask
@@ -483,7 +465,7 @@ def _step_metrics(
         "train/reward_mean": float(batch.rewards.mean()),
         "train/response_length_mean": float(lengths.mean()),
         "train/response_length_max": float(lengths.max()),
-        "train/truncated_share": sum(f == "length" for rec in records for f in rec["finish"]) / len(batch),
+        "train/truncated_share": sum(f == "length" for rec in records for f in rec.finish) / len(batch),
         "train/entropy": float(entropy[mask].mean()) if mask.any() else 0.0,
         "train/old_logprob_mean": float(old[mask].mean()) if mask.any() else 0.0,
         "train/updates_skipped": float(sum(u.get("skipped", 0.0) for u in updates)),

@@ -8,8 +8,8 @@ aligned with ``response_ids`` (``logprobs[i, t] = log pi(response_ids[i, t] | pr
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields, replace
-from typing import Literal
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any, Literal
 
 import torch
 
@@ -205,3 +205,49 @@ def collate(
         rewards=torch.as_tensor(list(rewards), dtype=torch.float32),
         gen_logprobs=lp,
     )
+
+
+@dataclass
+class QuestionRollouts:
+    """One question's graded rollouts, as the rollout side hands them to the trainer (G rollouts).
+
+    Attributes:
+        question: the problem's index among the run's training problems.
+        prompt: its prompt token ids.
+        responses: [G] each rollout's generated token ids (the stop token included when it was sampled).
+        logprobs: [G] the generator's sampling log-prob of each generated token (as long as its response).
+        finish: [G] "stop" or "length".
+        rewards: [G] each rollout's reward (after overlong shaping).
+    """
+
+    question: int
+    prompt: list[int]
+    responses: list[list[int]]
+    logprobs: list[list[float]]
+    finish: list[str]
+    rewards: list[float]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable (a checkpoint keeps the rollouts made ahead)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> QuestionRollouts:
+        """The inverse of :meth:`to_dict`."""
+        return cls(**d)
+
+
+def collate_questions(records: Sequence[QuestionRollouts], pad_id: int) -> RolloutBatch:
+    """A step's rollouts as one batch, question by question.
+
+    The rollouts of a question are adjacent rows; those of the ``k``-th question have group id ``k``.
+    """
+    prompts, responses, lps, gids, rewards = [], [], [], [], []
+    for k, rec in enumerate(records):
+        for resp, lp, r in zip(rec.responses, rec.logprobs, rec.rewards, strict=True):
+            prompts.append(rec.prompt)
+            responses.append(resp)
+            lps.append(lp)
+            gids.append(k)
+            rewards.append(r)
+    return collate(prompts, responses, lps, gids, rewards, pad_id=pad_id)

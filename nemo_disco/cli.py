@@ -106,7 +106,7 @@ def _check_sources(cfg: config_lib.RunConfig) -> None:
     Loads ``data.train`` and ``data.val`` as training will (a hub dataset is cached by the load) and checks
     ``policy.model_path``; each failure is one line naming the source and what was tried.
     """
-    from nemo_disco.data import load_problems
+    from nemo_disco.data import data_kwargs, load_problems
     from nemo_disco.evaluate import check_model
 
     if cfg.policy.model_path is not None:
@@ -115,10 +115,9 @@ def _check_sources(cfg: config_lib.RunConfig) -> None:
         from nemo_disco.rewards import load_reward_function
 
         load_reward_function(cfg.reward.function)
-    kwargs = {"split": cfg.data.split, "synthetic_size": cfg.data.synthetic_size, "seed": cfg.data.seed}
-    load_problems(cfg.data.train, on_bad_row=cfg.data.on_bad_row, **kwargs)
+    load_problems(cfg.data.train, **data_kwargs(cfg.data))
     if cfg.data.val:
-        load_problems(cfg.data.val, on_bad_row="skip", **kwargs)
+        load_problems(cfg.data.val, **data_kwargs(cfg.data, val=True))
 
 
 def _report(cfg: config_lib.RunConfig) -> None:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from nemo_disco.config import DataConfig
+from nemo_disco.config import ConfigError, DataConfig
 
 logger = logging.getLogger(__name__)
 
@@ -549,7 +549,33 @@ class PromptSampler:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Synthetic task (CPU demo)
+# A run's data
+
+
+def data_kwargs(data: DataConfig, *, val: bool = False) -> dict[str, Any]:
+    """Keyword arguments of :func:`load_problems` for a run's ``data.train`` (``val``: ``data.val``).
+
+    Bad rows of ``data.val`` are skipped whatever ``data.on_bad_row`` says.
+    """
+    return {
+        "split": data.split,
+        "on_bad_row": "skip" if val else data.on_bad_row,
+        "synthetic_size": data.synthetic_size,
+        "seed": data.seed,
+    }
+
+
+def _encode_data_prompts(
+    tokenizer: Any, problems: Sequence[Problem | str], data: DataConfig, max_prompt_tokens: int
+) -> tuple[list[list[int]], list[int], int]:
+    return encode_prompts(
+        tokenizer,
+        problems,
+        template=data.prompt_template,
+        use_chat_template=data.use_chat_template,
+        max_prompt_tokens=max_prompt_tokens,
+        chat_template_kwargs=data.chat_template_kwargs,
+    )
 
 
 def encode_run_prompts(
@@ -560,14 +586,51 @@ def encode_run_prompts(
     Reads ``data.prompt_template``, ``data.use_chat_template``, ``data.chat_template_kwargs`` and
     ``generation.max_prompt_tokens``.
     """
-    return encode_prompts(
-        tokenizer,
-        problems,
-        template=cfg.data.prompt_template,
-        use_chat_template=cfg.data.use_chat_template,
-        max_prompt_tokens=cfg.generation.max_prompt_tokens,
-        chat_template_kwargs=cfg.data.chat_template_kwargs,
-    )
+    return _encode_data_prompts(tokenizer, problems, cfg.data, cfg.generation.max_prompt_tokens)
+
+
+def train_problems(
+    data: DataConfig, tokenizer: Any, *, max_prompt_tokens: int, prompts_per_step: int
+) -> tuple[list[Problem], list[list[int]], int, int]:
+    """The training questions a run samples from (``data.train``), encoded.
+
+    Returns:
+        Problems, their prompt ids, bad rows skipped, prompts dropped as longer than ``max_prompt_tokens``.
+
+    Raises:
+        ConfigError: fewer usable problems than ``prompts_per_step`` (``algorithm.prompts_per_step``).
+    """
+    problems, skipped = load_problems(data.train, **data_kwargs(data))
+    prompt_ids, kept, dropped = _encode_data_prompts(tokenizer, problems, data, max_prompt_tokens)
+    problems = [problems[i] for i in kept]
+    if len(problems) < prompts_per_step:
+        raise ConfigError(
+            f"data.train={data.train!r} has {len(problems)} usable problems, fewer than "
+            f"algorithm.prompts_per_step={prompts_per_step}"
+        )
+    return problems, prompt_ids, skipped, dropped
+
+
+def val_problems(
+    data: DataConfig, tokenizer: Any, *, max_prompt_tokens: int
+) -> tuple[list[Problem], list[list[int]]] | None:
+    """The validation problems (the first ``data.val_max_problems`` of ``data.val``) and their prompt ids."""
+    if not data.val:
+        return None
+    problems, _ = load_problems(data.val, **data_kwargs(data, val=True))
+    if data.val_max_problems:
+        problems = problems[: data.val_max_problems]
+    ids, kept, _ = _encode_data_prompts(tokenizer, problems, data, max_prompt_tokens)
+    return [problems[i] for i in kept], ids
+
+
+def new_sampler(data: DataConfig, num_problems: int, prompts_per_step: int) -> PromptSampler:
+    """A run's deterministic, resumable question order."""
+    return PromptSampler(num_problems, prompts_per_step, seed=data.seed, shuffle=data.shuffle)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Synthetic task (CPU demo)
 
 
 def _is_heldout(text: str, fraction: float) -> bool:

@@ -55,6 +55,7 @@ from nemo_disco.data import (
     quiet_hub_logs,
     resolve_benchmark,
 )
+from nemo_disco.generation.factory import build_generator, stop_token_ids
 from nemo_disco.stats import DEFAULT_CONFIDENCE, DEFAULT_REPLICATES, pass_at_k
 
 logger = logging.getLogger(__name__)
@@ -976,30 +977,6 @@ def check_model(model: str | os.PathLike) -> str:
     return text
 
 
-def _build_generator(
-    model_dir: str | os.PathLike, backend: str, max_model_len: int, seed: int, tensor_parallel_size: int
-) -> Any:
-    if backend == "hf":
-        from nemo_disco.generation.hf import HFGenerator
-
-        return HFGenerator(model_dir)
-    if backend == "vllm":
-        from nemo_disco.generation.vllm import VLLMGenerator
-
-        return VLLMGenerator(
-            model_dir, tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len, seed=seed
-        )
-    raise ValueError(f"backend={backend!r}: expected 'hf' or 'vllm'")
-
-
-def _stop_token_ids(tokenizer: Any) -> tuple[int, ...]:
-    """EOS and, for ChatML templates, ``<|im_end|>``."""
-    stops = {tokenizer.eos_token_id}
-    if "<|im_end|>" in tokenizer.get_vocab():
-        stops.add(tokenizer.convert_tokens_to_ids("<|im_end|>"))
-    return tuple(sorted(s for s in stops if s is not None))
-
-
 EVAL_PARTIAL = "partial"
 EVAL_SETTINGS = "settings.json"
 DEFAULT_CHUNK_PROBLEMS = 32
@@ -1295,12 +1272,14 @@ def evaluate_model(
     # process groups collectively over the whole job.
     own = generator is None and bool(todo)
     if own:
-        generator = _build_generator(model_dir, backend, longest + max_tokens, seed, tensor_parallel_size)
+        generator = build_generator(
+            model_dir, backend, seed=seed, max_model_len=longest + max_tokens, tensor_parallel_size=tensor_parallel_size
+        )
     sampling = SamplingParams(
         temperature=temperature,
         top_p=top_p,
         max_tokens=max_tokens,
-        stop_token_ids=_stop_token_ids(tokenizer),
+        stop_token_ids=stop_token_ids(tokenizer),
         seed=seed,
     )
     who = f"engine {engine + 1}/{engines}: " if engines > 1 else ""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
@@ -103,3 +103,24 @@ class EngineLayout:
     def share(self, n: int) -> slice:
         """This engine's contiguous share of ``n`` items (shares differ by at most one item)."""
         return slice(self.index * n // self.count, (self.index + 1) * n // self.count)
+
+
+def buckets(
+    weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, align: int = 1
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group a stream of tensors into lists of at most ``bucket_bytes`` (a larger tensor is a bucket alone).
+
+    Each tensor counts its bytes rounded up to a multiple of ``align`` (where the bucket places it). The stream
+    is read one tensor past a full bucket before the bucket is yielded, never further.
+    """
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in weights:
+        nbytes = (t.numel() * t.element_size() + align - 1) // align * align
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += nbytes
+    if bucket:
+        yield bucket

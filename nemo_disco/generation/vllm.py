@@ -8,7 +8,7 @@ engine (ranks ``k * TP ... k * TP + TP - 1``); all ranks of such a group must pa
 sampling parameters to :meth:`VLLMGenerator.generate` (checked when TP > 1). Start the process group first
 (:func:`nemo_disco.distributed.init`): vLLM then builds its groups on it.
 
-The colocated order of one step (``nemo_disco.algorithm.generation_phase``)::
+The colocated order of one step (``nemo_disco.rollouts.local.generation_phase``)::
 
     policy: offload optimizer + grads -> generator.wake_up(["weights"]) -> generator.update_weights(
     policy.export_weights()) -> policy.offload() (weights) -> generator.wake_up(["kv_cache"]) -> generate
@@ -52,7 +52,7 @@ import torch
 
 from nemo_disco import distributed
 from nemo_disco.config import ConfigError
-from nemo_disco.generation.base import Rollout, SamplingParams
+from nemo_disco.generation.base import Rollout, SamplingParams, buckets
 from nemo_disco.generation.hf import WeightSpec, trim_at_stop
 from nemo_disco.weights import checkpoint_shapes
 
@@ -60,21 +60,6 @@ log = logging.getLogger(__name__)
 
 _MASK64 = 2**64 - 1
 _TAGS = ("weights", "kv_cache")
-
-
-def buckets(weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Group a stream of tensors into lists of at most ``bucket_bytes`` (a larger tensor is a bucket alone)."""
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, t in weights:
-        nbytes = t.numel() * t.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += nbytes
-    if bucket:
-        yield bucket
 
 
 @contextlib.contextmanager

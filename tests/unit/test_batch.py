@@ -1,11 +1,13 @@
-"""The rollout batch's micro-batcher: what a group of rows costs under each policy's layout."""
+"""The rollout batch: typed records and their collation; the micro-batcher (what rows cost under each layout)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 
-from nemo_disco.batch import collate, split_microbatches
+from nemo_disco.batch import QuestionRollouts, collate, collate_questions, split_microbatches
 
 
 def _batch(group_ids: list[int] | None = None):
@@ -66,3 +68,26 @@ def test_batch_width_never_exceeds_budget_over_width_rows():
 def test_unknown_layout_is_refused():
     with pytest.raises(ValueError, match="'thd' is not one of"):
         split_microbatches(_batch(), 8, "thd")
+
+
+def _records() -> list[QuestionRollouts]:
+    return [
+        QuestionRollouts(7, [5, 6], [[1, 2, 3], []], [[-0.1, -0.2, -0.3], []], ["stop", "stop"], [1.0, 0.0]),
+        QuestionRollouts(2, [4], [[8], [9, 9]], [[-0.5], [-0.6, -0.7]], ["length", "stop"], [0.0, 0.5]),
+    ]
+
+
+def test_collate_questions_keeps_a_questions_rollouts_adjacent_and_numbers_groups_by_position():
+    batch = collate_questions(_records(), pad_id=0)
+    assert batch.group_ids.tolist() == [0, 0, 1, 1]  # the k-th question's rows, not its problem index
+    assert batch.rewards.tolist() == [1.0, 0.0, 0.0, 0.5]
+    # Prompts left-padded to 2 tokens, responses right-padded to 3.
+    assert batch.prompt_ids.tolist() == [[5, 6], [5, 6], [0, 4], [0, 4]]
+    assert batch.response_ids.tolist() == [[1, 2, 3], [0, 0, 0], [8, 0, 0], [9, 9, 0]]
+    assert batch.response_mask.sum(1).tolist() == [3, 0, 1, 2]
+    assert torch.allclose(batch.gen_logprobs[3], torch.tensor([-0.6, -0.7, 0.0]))
+
+
+def test_records_survive_the_checkpoints_json():
+    records = _records()
+    assert [QuestionRollouts.from_dict(json.loads(json.dumps(r.to_dict()))) for r in records] == records

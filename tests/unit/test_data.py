@@ -402,3 +402,25 @@ def test_a_rows_other_columns_travel_as_fields_for_a_reward_function(tmp_path):
     assert problems[0].fields == {"tests": ["assert f() == 4"], "level": 3}  # not problem / answer / "bad key"
     assert problems[1].fields == {"reward_model": {"ground_truth": "2"}, "task": "add"}
     assert problems[0] == type(problems[0])("2+2", "4", 0, str(path))  # fields take no part in equality
+
+
+def test_a_runs_data_is_loaded_with_one_keyword_set(tokenizer):
+    from nemo_disco.config import ConfigError, DataConfig
+    from nemo_disco.data import data_kwargs, new_sampler, train_problems, val_problems
+
+    data = DataConfig(
+        train="synthetic:arithmetic", val="synthetic:arithmetic-heldout", synthetic_size=12, seed=3, val_max_problems=5
+    )
+    assert data_kwargs(data) == {"split": "train", "on_bad_row": "error", "synthetic_size": 12, "seed": 3}
+    assert data_kwargs(data, val=True)["on_bad_row"] == "skip"  # validation skips bad rows whatever on_bad_row says
+    problems, ids, skipped, dropped = train_problems(data, tokenizer, max_prompt_tokens=1024, prompts_per_step=4)
+    assert (len(problems), len(ids), skipped, dropped) == (12, 12, 0, 0)
+    assert problems == load_problems("synthetic:arithmetic", synthetic_size=12, seed=3)[0]
+    val, val_ids = val_problems(data, tokenizer, max_prompt_tokens=1024)
+    assert len(val) == len(val_ids) == 5  # data.val_max_problems
+    assert val_problems(DataConfig(val=None), tokenizer, max_prompt_tokens=1024) is None
+    with pytest.raises(ConfigError, match="12 usable problems, fewer than algorithm.prompts_per_step=13"):
+        train_problems(data, tokenizer, max_prompt_tokens=1024, prompts_per_step=13)
+    sampler = new_sampler(data, 12, 4)
+    assert sampler.next_batch() == PromptSampler(12, 4, seed=3).next_batch()
+    assert not new_sampler(data.model_copy(update={"shuffle": False}), 12, 4).shuffle

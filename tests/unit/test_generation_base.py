@@ -33,3 +33,16 @@ def test_uneven_shares_cover_everything_once():
 def test_bad_layout():
     with pytest.raises(ValueError, match="does not divide"):
         EngineLayout.of(0, 6, 4)
+
+
+def test_buckets_hold_at_most_bucket_bytes_and_a_larger_tensor_alone():
+    import torch
+
+    from nemo_disco.generation.base import buckets
+
+    # float32 tensors of 4, 8, 40 and 4 elements: 16, 32, 160 and 16 bytes; buckets of 64 bytes.
+    stream = [(f"t{i}", torch.zeros(n)) for i, n in enumerate([4, 8, 40, 4])]
+    assert [[name for name, _ in b] for b in buckets(stream, 64)] == [["t0", "t1"], ["t2"], ["t3"]]
+    # Aligned to 64 bytes every tensor takes a whole bucket of 64: t0 and t1 no longer share one.
+    assert [[name for name, _ in b] for b in buckets(stream, 64, align=64)] == [["t0"], ["t1"], ["t2"], ["t3"]]
+    assert list(buckets([], 64)) == []

@@ -128,8 +128,8 @@ def test_the_recipe_key_chooses_the_decoder(choice, path, tiny_qwen2, tmp_path):
     from pathlib import Path
 
     from nemo_disco import config
-    from nemo_disco.rollouts import build_generator
+    from nemo_disco.generation.factory import build_run_generator
 
     recipe = Path(__file__).resolve().parents[2] / "recipes" / "tiny-cpu.yaml"
     cfg = config.load(recipe, [f"generation.hf_decode={choice}", f"logging.run_dir={tmp_path}"])
-    assert build_generator(cfg, tiny_qwen2).decode_path == path
+    assert build_run_generator(cfg, tiny_qwen2).decode_path == path

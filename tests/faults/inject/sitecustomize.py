@@ -89,14 +89,16 @@ def _install(algorithm) -> None:  # noqa: ANN001  (the nemo_disco.algorithm modu
 
         rollouter.collect = hanging_collect
     elif kind == "kill_generator":
-        step_rollouts = algorithm.rollouts.step_rollouts
+        from nemo_disco.rollouts import rollouter as rollouter_module
+
+        step_rollouts = rollouter_module.step_rollouts
 
         def dying_rollouts(ro, at, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
             if at == step and fire():
                 os.kill(os.getpid(), signal.SIGKILL)
             return step_rollouts(ro, at, *args, **kwargs)
 
-        algorithm.rollouts.step_rollouts = dying_rollouts
+        rollouter_module.step_rollouts = dying_rollouts
     elif kind in ("kill", "stop"):
         gather = algorithm._gather_rows
         sig = signal.SIGKILL if kind == "kill" else signal.SIGSTOP

@@ -1,0 +1,166 @@
+"""The rollout side's pieces that a whole run does not isolate: the colocated order of one generation phase,
+dynamic sampling."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from recorder import Recorder
+
+from nemo_disco import config
+from nemo_disco.batch import QuestionRollouts
+from nemo_disco.generation.hf import HFGenerator
+from nemo_disco.metrics import Timer
+from nemo_disco.policy.hf import HFPolicy
+from nemo_disco.rollouts import generation_phase, step_rollouts
+
+torch.set_num_threads(1)
+
+
+def _trainer(tiny_qwen2, log: list[str], stale: bool) -> SimpleNamespace:
+    cfg = config.load(
+        config.Path(__file__).resolve().parents[2] / "recipes" / "disco.yaml",
+        ["policy.backend=hf", "policy.dtype=float32", "cluster.gpus_per_node=1", "generation.backend=hf"],
+    )
+    policy = HFPolicy.from_run_config(cfg, tiny_qwen2)
+    with torch.no_grad():  # the policy has moved since the generator loaded the folder
+        for p in policy.model.parameters():
+            p.add_(0.01)
+    return SimpleNamespace(
+        cfg=cfg,
+        policy=Recorder("policy", policy, log),
+        ref_policy=Recorder("ref", HFPolicy.from_run_config(cfg, tiny_qwen2, trainable=False), log),
+        generator=Recorder("generator", HFGenerator(tiny_qwen2), log),
+        generator_stale=stale,
+    )
+
+
+def test_colocated_order_frees_optimizer_state_before_the_refit_and_weights_after(tiny_qwen2):
+    log: list[str] = []
+    tr = _trainer(tiny_qwen2, log, stale=True)
+    with generation_phase(tr, Timer(), colocated=True):
+        log.append("generate")
+    assert log == [
+        "policy.offload(weights=False)",  # gradients + optimizer state leave before the refit reads the weights
+        "ref.offload()",
+        "generator.wake_up(['weights'])",
+        "policy.export_weights()",
+        "generator.update_weights()",
+        "policy.offload()",  # the weights, once the refit has read them
+        "generator.wake_up(['kv_cache'])",
+        "generate",
+        "generator.sleep()",
+        "policy.onload()",
+    ]
+    assert tr.generator_stale is False
+    generated = dict(tr.generator._obj.model.named_parameters())
+    for name, p in tr.policy._obj.model.named_parameters():
+        assert torch.equal(generated[name], p), name  # the refit really moved the weights
+
+
+def test_no_refit_when_the_generator_is_current_and_nothing_moves_when_not_colocated(tiny_qwen2):
+    log: list[str] = []
+    tr = _trainer(tiny_qwen2, log, stale=False)
+    with generation_phase(tr, Timer(), colocated=True):
+        pass
+    assert "generator.update_weights()" not in log and "policy.export_weights()" not in log
+    log.clear()
+    tr.generator_stale = True
+    with generation_phase(tr, Timer(), colocated=False):
+        pass
+    assert log == ["policy.export_weights()", "generator.update_weights()"]
+
+
+class _Sampler:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def next_batch(self) -> list[int]:
+        self.calls += 1
+        return list(range(10))
+
+
+def _record(question: int, rewards: list[float]) -> QuestionRollouts:
+    g = len(rewards)
+    return QuestionRollouts(question, [3], [[1]] * g, [[-0.5]] * g, ["stop"] * g, rewards)
+
+
+def _collector(sampler: _Sampler, informative_per_round: list[int]):
+    """Rounds of 10 questions of which the first ``k`` have a positive and a negative rollout."""
+
+    def collect(question_ids, seed):  # noqa: ANN001, ANN202
+        k = informative_per_round[min(sampler.calls, len(informative_per_round)) - 1]
+        records = [_record(i, [1.0, 0.0] if i < k else [0.0, 0.0]) for i in question_ids]
+        return records, {"timing/generate": 1.0}
+
+    return collect
+
+
+@pytest.mark.parametrize(
+    ("share", "per_round", "rounds", "informative"),
+    [
+        (1.0, [4, 4, 4], 3, 1.0),  # DAPO: 4 + 4 + 4 >= 10 informative after the third round
+        (0.6, [4, 4, 4], 2, 0.8),  # GPG beta_th 0.6: 8 >= 6 after the second round; 8 of the 10 kept
+        (0.6, [6, 0, 0], 1, 0.6),  # 6 >= 6 at once
+        (1.0, [1, 1, 1], 3, 0.3),  # the round cap: 3 informative, 7 zero-variance fill the step
+    ],
+)
+def test_dynamic_sampling_stops_at_the_informative_share(share, per_round, rounds, informative):
+    cfg = config.load(
+        config.Path(__file__).resolve().parents[2] / "recipes" / "disco.yaml",
+        [
+            "algorithm.prompts_per_step=10",
+            "algorithm.minibatch_prompts=10",
+            "algorithm.rollouts_per_prompt=2",
+            "algorithm.dynamic_sampling=true",
+            "algorithm.max_sampling_rounds=3",
+            f"algorithm.min_valid_share={share}",
+            "cluster.gpus_per_node=1",
+        ],
+    )
+    ro = SimpleNamespace(cfg=cfg, sampler=_Sampler())
+    records, metrics = step_rollouts(ro, 1, collect=_collector(ro.sampler, per_round))
+    assert len(records) == 10
+    assert metrics["train/sampling_rounds"] == rounds and ro.sampler.calls == rounds
+    assert metrics["train/informative_share"] == informative
+    assert metrics["timing/generate"] == rounds  # each round's metrics add up
+    assert [r.rewards for r in records[: int(informative * 10)]] == [[1.0, 0.0]] * int(informative * 10)
+
+
+def test_build_rollouter_samples_and_grades_a_step_on_one_engine(tiny_qwen2):
+    from transformers import AutoTokenizer
+
+    from nemo_disco.data import new_sampler, train_problems
+    from nemo_disco.distributed import DistEnv
+    from nemo_disco.generation.factory import build_run_generator
+    from nemo_disco.rollouts import build_rollouter
+
+    cfg = config.load(
+        config.Path(__file__).resolve().parents[2] / "recipes" / "tiny-cpu.yaml",
+        [
+            f"policy.model_path={tiny_qwen2}",
+            "data.synthetic_size=16",
+            "algorithm.prompts_per_step=4",
+            "algorithm.minibatch_prompts=4",
+            "reward.workers=1",
+        ],
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_qwen2))
+    problems, prompt_ids, _, _ = train_problems(cfg.data, tokenizer, max_prompt_tokens=32, prompts_per_step=4)
+    sampler = new_sampler(cfg.data, len(problems), 4)
+    env = DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0)
+    ro = build_rollouter(cfg, env, tokenizer, problems, prompt_ids, sampler, build_run_generator(cfg, tiny_qwen2))
+    try:
+        assert (ro.engines.index, ro.engines.leader) == (0, True)
+        records, metrics = step_rollouts(ro, 1)
+    finally:
+        ro.close()
+    assert [r.question for r in records] == new_sampler(cfg.data, len(problems), 4).next_batch()
+    g = cfg.algorithm.rollouts_per_prompt
+    for rec in records:
+        assert rec.prompt == prompt_ids[rec.question]
+        assert len(rec.responses) == len(rec.logprobs) == len(rec.finish) == len(rec.rewards) == g
+        assert all(len(lp) == len(resp) <= 12 for lp, resp in zip(rec.logprobs, rec.responses, strict=True))
+    assert metrics["reward/timeouts"] == metrics["reward/errors"] == 0.0 and metrics["timing/generate"] > 0
