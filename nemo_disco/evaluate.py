@@ -155,8 +155,14 @@ def _cell(value: float, se: float | None, ci: tuple[float, float] | None) -> str
     return text
 
 
+def _tokens(value: float, se: float) -> str:
+    """``value ± se`` in tokens: one decimal, three where the standard error is below 0.1 (short responses)."""
+    d = 1 if se >= 0.1 else 3
+    return f"{value:.{d}f} ± {se:.{d}f}"
+
+
 def _length_cell(lengths: dict[str, float], se: dict[str, float], key: str) -> str:
-    return f"{lengths[key]:.1f} ± {se[key]:.1f}" if key in lengths else "-"
+    return _tokens(lengths[key], se[key]) if key in lengths else "-"
 
 
 def _flat_lengths(lengths: dict[str, float], se: dict[str, float]) -> dict[str, float]:
@@ -719,7 +725,8 @@ class Comparison:
 def _length_pair(values: dict[str, float] | None) -> str:
     if values is None:
         return "-"
-    return f"{values['a']:.1f} / {values['b']:.1f}, {values['diff']:+.1f} ± {values['se']:.1f}"
+    d = 1 if values["se"] >= 0.1 else 3
+    return f"{values['a']:.{d}f} / {values['b']:.{d}f}, {values['diff']:+.{d}f} ± {values['se']:.{d}f}"
 
 
 def _paired_lengths(
