@@ -100,6 +100,11 @@ def _k_of(metric: str) -> int:
     return int(metric.split("@")[1])
 
 
+def _metric_order(metric: str) -> tuple[int, int]:
+    """pass@k by increasing k, then the ``LENGTHS`` keys in their order."""
+    return (0, _k_of(metric)) if metric.startswith("pass@") else (1, list(LENGTHS).index(metric))
+
+
 def _pct(v: float) -> str:
     return f"{100 * v:.2f}"
 
@@ -504,7 +509,8 @@ class RunsSummary:
     Attributes:
         labels: one per run.
         runs: the per-run summaries (each with its own standard errors and intervals).
-        rows: benchmark (and "average") -> "pass@k" -> per-run values, in run order.
+        rows: benchmark (and "average") -> "pass@k" (and the ``LENGTHS`` keys every run has, in tokens) ->
+            per-run values, in run order.
     """
 
     labels: list[str]
@@ -518,15 +524,17 @@ class RunsSummary:
         return {"mean": mean, "sd": sd, "se": sd / math.sqrt(len(values)), "min": min(values), "max": max(values)}
 
     def _columns(self, benchmark: str) -> list[str]:
-        return sorted(self.rows[benchmark], key=_k_of)
+        return sorted(self.rows[benchmark], key=_metric_order)
 
     def to_markdown(self) -> str:
         """Two tables: mean ± sd [min, max] over runs per benchmark; each run's pass@1 ± its standard error."""
-        cols = sorted({c for metrics in self.rows.values() for c in metrics}, key=_k_of)
+        cols = sorted({c for metrics in self.rows.values() for c in metrics}, key=_metric_order)
+        titles = [f"{LENGTHS[c]} (tokens)" if c in LENGTHS else f"{c} (%)" for c in cols]
         lines = [
-            f"Across {len(self.labels)} runs ({', '.join(self.labels)}): mean ± sd over runs [min, max], in %.",
+            f"Across {len(self.labels)} runs ({', '.join(self.labels)}): mean ± sd over runs [min, max], in % "
+            "(lengths in tokens).",
             "",
-            "| benchmark | " + " | ".join(f"{c} (%)" for c in cols) + " |",
+            "| benchmark | " + " | ".join(titles) + " |",
             "|---|" + "---:|" * len(cols),
         ]
         for bench, metrics in self.rows.items():
@@ -536,7 +544,11 @@ class RunsSummary:
                     cells.append("-")
                     continue
                 s = self.stats(bench, c)
-                cells.append(f"{_pct(s['mean'])} ± {_pct(s['sd'])} [{_pct(s['min'])}, {_pct(s['max'])}]")
+                if c in LENGTHS:
+                    d = 1 if s["sd"] >= 0.1 else 3
+                    cells.append(f"{s['mean']:.{d}f} ± {s['sd']:.{d}f} [{s['min']:.{d}f}, {s['max']:.{d}f}]")
+                else:
+                    cells.append(f"{_pct(s['mean'])} ± {_pct(s['sd'])} [{_pct(s['min'])}, {_pct(s['max'])}]")
             lines.append(f"| {bench} | " + " | ".join(cells) + " |")
         first = cols[0]
         lines += [
@@ -609,9 +621,15 @@ def aggregate_runs(summaries: Sequence[EvalSummary], labels: Sequence[str]) -> R
             logger.warning("%s: runs evaluated %s problems", bench, sorted({r.problems for r in per_run}))
         metrics = set.intersection(*(set(r.metrics) for r in per_run))
         rows[bench] = {m: [r.metrics[m] for r in per_run] for m in sorted(metrics, key=_k_of)}
+        rows[bench] |= {k: [r.lengths[k] for r in per_run] for k in LENGTHS if all(k in r.lengths for r in per_run)}
     if len(shared) == len(names) and all(len(s.rows) == len(names) for s in summaries):
         metrics = set.intersection(*(set(s.average) for s in summaries))
         rows["average"] = {m: [s.average[m] for s in summaries] for m in sorted(metrics, key=_k_of)}
+        rows["average"] |= {
+            k: [s.average_lengths[k] for s in summaries]
+            for k in LENGTHS
+            if all(k in s.average_lengths for s in summaries)
+        }
     return RunsSummary(list(labels), list(summaries), rows)
 
 

@@ -455,6 +455,22 @@ def test_compare_results_pairs_lengths_by_problem(tmp_path):
     assert compare_results(_records(COUNTS_A), _records(COUNTS_B), replicates=0).rows[0].lengths == {}
 
 
+def test_aggregate_runs_reports_lengths_across_runs():
+    # Two runs of alpha (LENGTHS_A's and LENGTHS_B's): lengths 27.5 and 26.5 -> mean 27, sd sqrt(0.5) = 0.7071;
+    # correct 10 and 22 -> 16 +- sqrt(72) = 8.4853; wrong 100/3 and 40.
+    runs = aggregate_runs([summarize(_timed(t), replicates=0) for t in (LENGTHS_A, LENGTHS_B)], ["a", "b"])
+    assert runs.rows["alpha"]["length"] == [27.5, 26.5]
+    assert runs.stats("alpha", "length_correct") == pytest.approx(
+        {"mean": 16.0, "sd": math.sqrt(72), "se": 6.0, "min": 10.0, "max": 22.0}
+    )
+    assert "average" not in runs.rows  # beta is in run a only
+    md = runs.to_markdown()
+    assert "| length (tokens) | correct length (tokens) | wrong length (tokens) |" in md
+    assert "| 27.0 ± 0.7 [26.5, 27.5] | 16.0 ± 8.5 [10.0, 22.0] | 36.7 ± 4.7 [33.3, 40.0] |" in md
+    metrics = [(r["benchmark"], r["metric"]) for r in csv.DictReader(io.StringIO(runs.to_csv()))]
+    assert metrics[-3:] == [("alpha", "length"), ("alpha", "length_correct"), ("alpha", "length_wrong")]
+
+
 def test_plot_length_accuracy(tmp_path):
     summaries = [summarize(_timed(t), replicates=0) for t in (LENGTHS_A, LENGTHS_B)]
     out = plot_length_accuracy(summaries, ["drpo", "disco"], tmp_path / "p" / "len.png")
