@@ -683,7 +683,7 @@ class DiscobParams(_Hyper):
 
 @dataclass(frozen=True)
 class DrpoParams(DiscoParams):
-    """DRPO: DisCO whose positives are weighted by their length (``drpo_lambda``, the response budget)."""
+    """DRPO: DisCO with positives weighted by ``exp((1 - L / max_response_tokens) / drpo_lambda)``, L their length."""
 
     drpo_lambda: float = _positive(0.1)
     max_response_tokens: int = _hp(8192, lambda v: _integer(v) and v >= 1, "an int >= 1")
@@ -809,7 +809,7 @@ def discob_objective(
     return _constrained(J, stats, p, metrics)
 
 
-def length_log_weights(tokens: Tensor, index: Tensor, num_groups: int, select: Tensor, p: DrpoParams) -> Tensor:
+def _length_log_weights(tokens: Tensor, index: Tensor, num_groups: int, select: Tensor, p: DrpoParams) -> Tensor:
     """DRPO's log length weights ``(1 - L_i / L_max) / lambda`` shifted by their largest in the question. [N] -> [N].
 
     ``L_i`` = ``tokens`` (the response length), ``L_max`` = ``max_response_tokens``. Only ratios within a question
@@ -853,7 +853,7 @@ def drpo_objective(
     inv, Q = group_index(group_ids)
     pos = rewards > p.positive_threshold  # [N]
     w = torch.ones_like(score) if weights is None else weights
-    length_w = torch.exp(length_log_weights(tokens, inv, Q, pos, p))  # [N]; 1 for a question's shortest positive
+    length_w = torch.exp(_length_log_weights(tokens, inv, Q, pos, p))  # [N]; 1 for a question's shortest positive
     mean_pos, w_pos = weighted_group_mean(score, inv, Q, pos, w * length_w)  # [Q]
     lme_neg, w_neg = weighted_group_logmeanexp(score / p.tau, inv, Q, ~pos, weights)  # [Q]
     if p.official_compat:
