@@ -218,15 +218,24 @@ def validation_summary(run_dir: Path) -> dict | None:
 def _plot(args: argparse.Namespace) -> int:
     from nemo_disco import files
 
-    if args.pass_at_k:
+    if args.pass_at_k and args.length_accuracy:
+        raise UserError("plot takes --pass-at-k or --length-accuracy, not both")
+    if args.pass_at_k or args.length_accuracy:
         from nemo_disco import evaluate
 
         labels = _labels(args.labels, args.runs)
-        summaries = [evaluate.summarize(evaluate.load_results(r), **_bootstrap_kwargs(args)) for r in args.runs]
         benchmarks = _names(args.benchmarks) if args.benchmarks else None
-        out = args.out or "pass_at_k.png"
+        out = args.out or ("pass_at_k.png" if args.pass_at_k else "length_accuracy.png")
         files.check_writable_file(out, "plot")
-        print(evaluate.plot_pass_at_k(summaries, labels, out, benchmarks=benchmarks))
+        kwargs = _bootstrap_kwargs(args) if args.pass_at_k else {"replicates": 0}  # the length plot shows se only
+        summaries = [evaluate.summarize(evaluate.load_results(r), **kwargs) for r in args.runs]
+        if args.pass_at_k:
+            print(evaluate.plot_pass_at_k(summaries, labels, out, benchmarks=benchmarks))
+            return 0
+        try:
+            print(evaluate.plot_length_accuracy(summaries, labels, out, benchmarks=benchmarks))
+        except ValueError as err:
+            raise UserError(str(err)) from None
         return 0
     from nemo_disco.metrics import plot_runs
 
@@ -587,16 +596,27 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (once the new one is complete)")
     c.set_defaults(fn=_convert)
 
-    pl = sub.add_parser("plot", help="PNG training curves of runs, or pass@k against k of eval results")
-    pl.add_argument("runs", nargs="+", help="run folders (holding metrics.jsonl), or results folders with --pass-at-k")
+    pl = sub.add_parser(
+        "plot", help="PNG training curves of runs, or pass@k against k, or pass@1 against length, of eval results"
+    )
+    pl.add_argument(
+        "runs",
+        nargs="+",
+        help="run folders (holding metrics.jsonl), or results folders with --pass-at-k / --length-accuracy",
+    )
     pl.add_argument(
         "--out",
         help="PNG path (default: RUN/curves.png for one run, compare-RUN1-RUN2.png in the current folder for several; "
-        "pass_at_k.png with --pass-at-k)",
+        "pass_at_k.png with --pass-at-k, length_accuracy.png with --length-accuracy)",
     )
     pl.add_argument("--labels", help="comma-separated legend labels")
     pl.add_argument("--pass-at-k", action="store_true", help="plot pass@k against k of graded results folders")
-    pl.add_argument("--benchmarks", help="with --pass-at-k: comma-separated benchmarks (default: all)")
+    pl.add_argument(
+        "--length-accuracy",
+        action="store_true",
+        help="plot pass@1 against mean response length (tokens) of graded results folders, one point per result",
+    )
+    pl.add_argument("--benchmarks", help="with --pass-at-k / --length-accuracy: comma-separated benchmarks")
     _add_bootstrap_flags(pl, "--pass-at-k bands")
     pl.set_defaults(fn=_plot)
     return p

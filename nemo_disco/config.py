@@ -193,7 +193,7 @@ class LossConfig(_Section):
     values once at start-up. The types and ranges below make a wrong value fail at load time with its key.
     """
 
-    name: Literal["disco", "discob", "grpo", "grpo_rw", "dr_grpo", "dapo", "grpo_er", "gpg", "trpa"] = "disco"
+    name: Literal["disco", "discob", "drpo", "grpo", "grpo_rw", "dr_grpo", "dapo", "grpo_er", "gpg", "trpa"] = "disco"
     score: Literal["logl", "lratio"] | None = None
     tau: float | None = Field(None, gt=0)
     delta: float | None = Field(None, ge=0)
@@ -203,6 +203,9 @@ class LossConfig(_Section):
     # Questions in the objective's denominator: all of the mini-batch (the authors' code) or only those with a
     # positive and a negative rollout.
     divisor: Literal["all", "valid"] | None = None
+    # DRPO: temperature lambda of the positives' length weights exp((1 - L_i / L_max) / lambda), L_max =
+    # generation.max_response_tokens (smaller: a stronger preference for short correct responses).
+    drpo_lambda: float | None = Field(None, gt=0)
     # Largest |log pi_theta - log pi_old| fed to exp() in the L-ratio score (clamped, counted).
     max_log_ratio: float | None = Field(None, gt=0)
     # GRPO family (clip_eps_high null: the loss's default, symmetric for GRPO, 0.28 for DAPO).
@@ -696,6 +699,7 @@ _CONFIG_PATHS: dict[str, tuple[str, str]] = {
 # Config values of one loss (family) only: set away from the default of the loss that has them, for a loss that lacks
 # them, they would be silently ignored, so loss_kwargs refuses them.
 _SWITCHES = (
+    "drpo_lambda",
     "kl_coef",
     "entropy_coef",
     "adv_std_norm",
@@ -711,11 +715,12 @@ def loss_kwargs(cfg: RunConfig) -> dict[str, Any]:
     """Every hyper-parameter of the chosen loss: the config's values, the loss's own defaults for the null ones.
 
     From ``cfg.loss`` (its fields of the same name), ``cfg.reward.positive_threshold`` and, for
-    ``dr_grpo``, ``cfg.generation.max_response_tokens``. Validated here, once.
+    ``dr_grpo`` and ``drpo``, ``cfg.generation.max_response_tokens``. Validated here, once.
 
     Raises:
-        ConfigError: a value of one loss only (``loss.kl_coef``, ``loss.entropy_coef``, GPG's and TRPA's keys) set
-            away from the default of the loss that has it, for a loss that has no such term; or an invalid value.
+        ConfigError: a value of one loss only (``loss.kl_coef``, ``loss.entropy_coef``, ``loss.drpo_lambda``, GPG's
+            and TRPA's keys) set away from the default of the loss that has it, for a loss that has no such term;
+            or an invalid value.
     """
     from nemo_disco import losses
 

@@ -22,7 +22,12 @@ replicates. Three views on top of one table:
   mean, sample standard deviation, min and max over runs;
 - :func:`compare_results`: two results on the same problems: the paired difference per benchmark with its
   standard error and a paired bootstrap interval ("A beats B on AIME by x points, 95% CI [lo, hi]");
-- :func:`plot_pass_at_k`: pass@k against k for several results, one panel per benchmark.
+- :func:`plot_pass_at_k`: pass@k against k for several results, one panel per benchmark;
+- :func:`plot_length_accuracy`: pass@1 against mean response length, one point per result.
+
+Mean response length (tokens, from the records' ``response_tokens``) is reported beside pass@k, over all, the
+correct and the wrong samples of each benchmark; its standard error is clustered by problem as pass@k's is
+(:func:`nemo_disco.stats.ratio_mean_se`), and :func:`compare_results` pairs it by problem.
 """
 
 from __future__ import annotations
@@ -76,6 +81,7 @@ __all__ = [
     "ks_for",
     "load_results",
     "pass_at_k",
+    "plot_length_accuracy",
     "plot_pass_at_k",
     "summarize",
     "write_results",
@@ -93,6 +99,11 @@ def ks_for(samples: int) -> list[int]:
 
 def _k_of(metric: str) -> int:
     return int(metric.split("@")[1])
+
+
+def _metric_order(metric: str) -> tuple[int, int]:
+    """pass@k by increasing k, then the ``LENGTHS`` keys in their order."""
+    return (0, _k_of(metric)) if metric.startswith("pass@") else (1, list(LENGTHS).index(metric))
 
 
 def _pct(v: float) -> str:
@@ -117,6 +128,9 @@ class BenchmarkResult:
         se: "pass@k" -> standard error over problems.
         ci: "pass@k" -> (low, high) bootstrap interval (empty when the bootstrap is off).
         counts: problem index -> (samples, correct samples).
+        lengths: "length", "length_correct", "length_wrong" -> mean response length in tokens over all, the
+            correct and the wrong samples (absent where the records have no ``response_tokens`` or no such sample).
+        lengths_se: the same keys -> standard error clustered by problem (:func:`nemo_disco.stats.ratio_mean_se`).
     """
 
     benchmark: str
@@ -126,6 +140,12 @@ class BenchmarkResult:
     se: dict[str, float] = field(default_factory=dict)
     ci: dict[str, tuple[float, float]] = field(default_factory=dict)
     counts: dict[int, tuple[int, int]] = field(default_factory=dict, repr=False)
+    lengths: dict[str, float] = field(default_factory=dict)
+    lengths_se: dict[str, float] = field(default_factory=dict)
+
+
+# Mean response length (tokens) over all, the correct and the wrong samples; column titles in the Markdown tables.
+LENGTHS = {"length": "length", "length_correct": "correct length", "length_wrong": "wrong length"}
 
 
 def _resampled(samples: bool) -> str:
@@ -139,6 +159,25 @@ def _cell(value: float, se: float | None, ci: tuple[float, float] | None) -> str
     if ci is not None:
         text += f" [{_pct(ci[0])}, {_pct(ci[1])}]"
     return text
+
+
+def _tokens(value: float, se: float) -> str:
+    """``value ± se`` in tokens: one decimal, three where the standard error is below 0.1 (short responses)."""
+    d = 1 if se >= 0.1 else 3
+    return f"{value:.{d}f} ± {se:.{d}f}"
+
+
+def _length_cell(lengths: dict[str, float], se: dict[str, float], key: str) -> str:
+    return _tokens(lengths[key], se[key]) if key in lengths else "-"
+
+
+def _flat_lengths(lengths: dict[str, float], se: dict[str, float]) -> dict[str, float]:
+    """``length``, ``length_se``, ``length_correct``, ... keys (tokens), those present."""
+    out: dict[str, float] = {}
+    for key in LENGTHS:
+        if key in lengths:
+            out[key], out[f"{key}_se"] = lengths[key], se[key]
+    return out
 
 
 def _flat(metrics: dict[str, float], se: dict[str, float], ci: dict[str, tuple[float, float]]) -> dict[str, Any]:
@@ -162,6 +201,8 @@ class EvalSummary:
         average: "pass@k" -> mean over benchmarks (k reported by every benchmark).
         average_se: standard error of the average (benchmarks independent).
         average_ci: bootstrap interval of the average.
+        average_lengths: mean response lengths (``LENGTHS`` keys) averaged over benchmarks (where every one has it).
+        average_lengths_se: their standard errors (benchmarks independent).
         replicates: bootstrap replicates (0: no intervals).
         seed: bootstrap seed.
         confidence: interval level.
@@ -172,6 +213,8 @@ class EvalSummary:
     average: dict[str, float]
     average_se: dict[str, float] = field(default_factory=dict)
     average_ci: dict[str, tuple[float, float]] = field(default_factory=dict)
+    average_lengths: dict[str, float] = field(default_factory=dict)
+    average_lengths_se: dict[str, float] = field(default_factory=dict)
     replicates: int = DEFAULT_REPLICATES
     seed: int = 0
     confidence: float = DEFAULT_CONFIDENCE
@@ -182,6 +225,11 @@ class EvalSummary:
         """Every "pass@k" column, by increasing k."""
         keys = {key for r in self.rows for key in r.metrics}
         return sorted(keys, key=_k_of)
+
+    @property
+    def length_columns(self) -> list[str]:
+        """The ``LENGTHS`` keys some benchmark reports."""
+        return [key for key in LENGTHS if any(key in r.lengths for r in self.rows)]
 
     def row(self, benchmark: str) -> BenchmarkResult:
         """The row of ``benchmark``.
@@ -198,12 +246,22 @@ class EvalSummary:
         """Plain data (the summary.json layout): values in [0, 1]; ``_se`` and ``_ci`` keys beside each pass@k."""
         return {
             "benchmarks": [
-                {"benchmark": r.benchmark, "problems": r.problems, "samples": r.samples, **_flat(r.metrics, r.se, r.ci)}
+                {
+                    "benchmark": r.benchmark,
+                    "problems": r.problems,
+                    "samples": r.samples,
+                    **_flat(r.metrics, r.se, r.ci),
+                    **_flat_lengths(r.lengths, r.lengths_se),
+                }
                 for r in self.rows
             ],
-            "average": _flat(self.average, self.average_se, self.average_ci),
+            "average": {
+                **_flat(self.average, self.average_se, self.average_ci),
+                **_flat_lengths(self.average_lengths, self.average_lengths_se),
+            },
             "uncertainty": {
                 "se": "standard error over problems (average: benchmarks combined as independent)",
+                "length": "mean response length in tokens over all / correct / wrong samples; se clustered by problem",
                 "ci": "percentile bootstrap interval, " + _resampled(self.resample_samples),
                 "replicates": self.replicates,
                 "seed": self.seed,
@@ -212,24 +270,35 @@ class EvalSummary:
         }
 
     def to_csv(self) -> str:
-        """CSV: one row per benchmark and an "average" row; ``pass@k``, ``pass@k_se``, ``pass@k_ci_low/high``."""
+        """CSV: one row per benchmark and an "average" row; pass@k and length columns.
+
+        ``pass@k``, ``pass@k_se``, ``pass@k_ci_low/high``, then ``length``, ``length_se``, ``length_correct``, ...
+        (tokens; columns only where some benchmark has them).
+        """
         buf = io.StringIO()
         writer = csv.writer(buf, lineterminator="\n")
         header = ["benchmark", "problems", "samples"]
         for c in self.columns:
             header += [c, f"{c}_se", f"{c}_ci_low", f"{c}_ci_high"]
+        for c in self.length_columns:
+            header += [c, f"{c}_se"]
         writer.writerow(header)
 
-        def values(metrics: dict, se: dict, ci: dict) -> list:
+        def values(metrics: dict, se: dict, ci: dict, lengths: dict, lengths_se: dict) -> list:
             out: list = []
             for c in self.columns:
                 low, high = ci.get(c, ("", ""))
                 out += [metrics.get(c, ""), se.get(c, ""), low, high]
+            for c in self.length_columns:
+                out += [lengths.get(c, ""), lengths_se.get(c, "")]
             return out
 
         for r in self.rows:
-            writer.writerow([r.benchmark, r.problems, r.samples, *values(r.metrics, r.se, r.ci)])
-        writer.writerow(["average", "", "", *values(self.average, self.average_se, self.average_ci)])
+            writer.writerow(
+                [r.benchmark, r.problems, r.samples, *values(r.metrics, r.se, r.ci, r.lengths, r.lengths_se)]
+            )
+        average = values(self.average, self.average_se, self.average_ci, self.average_lengths, self.average_lengths_se)
+        writer.writerow(["average", "", "", *average])
         return buf.getvalue()
 
     def to_markdown(self) -> str:
@@ -239,16 +308,26 @@ class EvalSummary:
         def cell(metrics: dict, se: dict, ci: dict, c: str) -> str:
             return _cell(metrics[c], se.get(c), ci.get(c)) if c in metrics else "-"
 
+        lengths = self.length_columns
+        titles = [f"{c} (%)" for c in cols] + [f"{LENGTHS[c]} (tokens)" for c in lengths]
         lines = [
-            "| benchmark | problems | samples | " + " | ".join(f"{c} (%)" for c in cols) + " |",
-            "|---|---:|---:|" + "---:|" * len(cols),
+            "| benchmark | problems | samples | " + " | ".join(titles) + " |",
+            "|---|---:|---:|" + "---:|" * len(titles),
         ]
         for r in self.rows:
-            cells = " | ".join(cell(r.metrics, r.se, r.ci, c) for c in cols)
+            cells = " | ".join(
+                [cell(r.metrics, r.se, r.ci, c) for c in cols]
+                + [_length_cell(r.lengths, r.lengths_se, c) for c in lengths]
+            )
             lines.append(f"| {r.benchmark} | {r.problems} | {r.samples} | {cells} |")
-        cells = " | ".join(cell(self.average, self.average_se, self.average_ci, c) for c in cols)
+        cells = " | ".join(
+            [cell(self.average, self.average_se, self.average_ci, c) for c in cols]
+            + [_length_cell(self.average_lengths, self.average_lengths_se, c) for c in lengths]
+        )
         lines.append(f"| average | | | {cells} |")
         note = "± standard error over problems"
+        if lengths:
+            note += " (lengths: mean tokens of the samples, standard error clustered by problem)"
         if self.replicates:
             note += (
                 f"; [ ] {round(100 * self.confidence)}% bootstrap interval ({_resampled(self.resample_samples)}; "
@@ -277,6 +356,40 @@ def _correct(records: Sequence[dict[str, Any]]) -> dict[str, dict[int, list[bool
     return correct
 
 
+def _token_counts(records: Sequence[dict[str, Any]]) -> dict[str, dict[int, list[tuple[int, bool]]]]:
+    """Map benchmark -> problem index -> (response tokens, correct) of each sample.
+
+    Only benchmarks whose every record has an integer ``response_tokens`` (older or imported results may lack it).
+    """
+    out: dict[str, dict[int, list[tuple[int, bool]]]] = {}
+    lacking: set[str] = set()
+    for r in records:
+        tokens = r.get("response_tokens")
+        if not isinstance(tokens, int) or isinstance(tokens, bool):
+            lacking.add(r["benchmark"])
+            continue
+        out.setdefault(r["benchmark"], {}).setdefault(int(r["problem_index"]), []).append(
+            (tokens, float(r["score"]) > 0.5)
+        )
+    return {bench: problems for bench, problems in out.items() if bench not in lacking}
+
+
+def _length_totals(samples: Sequence[tuple[int, bool]], which: str) -> tuple[float, float]:
+    """(sum of tokens, count) of one problem's samples: all of them, or the correct or the wrong ones."""
+    chosen = [t for t, ok in samples if which == "length" or ok == (which == "length_correct")]
+    return float(sum(chosen)), float(len(chosen))
+
+
+def _lengths_of(problems: dict[int, list[tuple[int, bool]]], order: Sequence[int]) -> dict[str, tuple[float, float]]:
+    """``LENGTHS`` key -> (mean tokens, standard error clustered by problem), the keys that have a sample."""
+    out = {}
+    for key in LENGTHS:
+        totals, counts = zip(*(_length_totals(problems[p], key) for p in order), strict=True)
+        if sum(counts) > 0:
+            out[key] = stats.ratio_mean_se(totals, counts)
+    return out
+
+
 def summarize(
     records: Sequence[dict[str, Any]],
     *,
@@ -298,6 +411,7 @@ def summarize(
         ValueError: a record without a score, a repeated (benchmark, problem, sample), no records.
     """
     rows, reps = [], {}
+    tokens = _token_counts(records)
     for bench, problems in _correct(records).items():
         order = sorted(problems)
         n = [len(problems[p]) for p in order]
@@ -319,10 +433,17 @@ def summarize(
             )
             for k, interval in zip(ks, stats.percentile_interval(reps[bench], confidence), strict=True):
                 row.ci[f"pass@{k}"] = (float(interval[0]), float(interval[1]))
+        if bench in tokens:
+            for key, (mean, se) in _lengths_of(tokens[bench], order).items():
+                row.lengths[key], row.lengths_se[key] = mean, se
         rows.append(row)
     summary = EvalSummary(
         rows, {}, replicates=replicates, seed=seed, confidence=confidence, resample_samples=resample_samples
     )
+    for key in LENGTHS:
+        if all(key in r.lengths for r in rows):
+            summary.average_lengths[key] = math.fsum(r.lengths[key] for r in rows) / len(rows)
+            summary.average_lengths_se[key] = stats.combined_se([r.lengths_se[key] for r in rows])
     shared = sorted(set.intersection(*(set(r.metrics) for r in rows)), key=_k_of)
     for col in shared:
         summary.average[col] = math.fsum(r.metrics[col] for r in rows) / len(rows)
@@ -389,7 +510,8 @@ class RunsSummary:
     Attributes:
         labels: one per run.
         runs: the per-run summaries (each with its own standard errors and intervals).
-        rows: benchmark (and "average") -> "pass@k" -> per-run values, in run order.
+        rows: benchmark (and "average") -> "pass@k" (and the ``LENGTHS`` keys every run has, in tokens) ->
+            per-run values, in run order.
     """
 
     labels: list[str]
@@ -403,15 +525,17 @@ class RunsSummary:
         return {"mean": mean, "sd": sd, "se": sd / math.sqrt(len(values)), "min": min(values), "max": max(values)}
 
     def _columns(self, benchmark: str) -> list[str]:
-        return sorted(self.rows[benchmark], key=_k_of)
+        return sorted(self.rows[benchmark], key=_metric_order)
 
     def to_markdown(self) -> str:
         """Two tables: mean ± sd [min, max] over runs per benchmark; each run's pass@1 ± its standard error."""
-        cols = sorted({c for metrics in self.rows.values() for c in metrics}, key=_k_of)
+        cols = sorted({c for metrics in self.rows.values() for c in metrics}, key=_metric_order)
+        titles = [f"{LENGTHS[c]} (tokens)" if c in LENGTHS else f"{c} (%)" for c in cols]
         lines = [
-            f"Across {len(self.labels)} runs ({', '.join(self.labels)}): mean ± sd over runs [min, max], in %.",
+            f"Across {len(self.labels)} runs ({', '.join(self.labels)}): mean ± sd over runs [min, max], in % "
+            "(lengths in tokens).",
             "",
-            "| benchmark | " + " | ".join(f"{c} (%)" for c in cols) + " |",
+            "| benchmark | " + " | ".join(titles) + " |",
             "|---|" + "---:|" * len(cols),
         ]
         for bench, metrics in self.rows.items():
@@ -421,7 +545,11 @@ class RunsSummary:
                     cells.append("-")
                     continue
                 s = self.stats(bench, c)
-                cells.append(f"{_pct(s['mean'])} ± {_pct(s['sd'])} [{_pct(s['min'])}, {_pct(s['max'])}]")
+                if c in LENGTHS:
+                    d = 1 if s["sd"] >= 0.1 else 3
+                    cells.append(f"{s['mean']:.{d}f} ± {s['sd']:.{d}f} [{s['min']:.{d}f}, {s['max']:.{d}f}]")
+                else:
+                    cells.append(f"{_pct(s['mean'])} ± {_pct(s['sd'])} [{_pct(s['min'])}, {_pct(s['max'])}]")
             lines.append(f"| {bench} | " + " | ".join(cells) + " |")
         first = cols[0]
         lines += [
@@ -494,9 +622,15 @@ def aggregate_runs(summaries: Sequence[EvalSummary], labels: Sequence[str]) -> R
             logger.warning("%s: runs evaluated %s problems", bench, sorted({r.problems for r in per_run}))
         metrics = set.intersection(*(set(r.metrics) for r in per_run))
         rows[bench] = {m: [r.metrics[m] for r in per_run] for m in sorted(metrics, key=_k_of)}
+        rows[bench] |= {k: [r.lengths[k] for r in per_run] for k in LENGTHS if all(k in r.lengths for r in per_run)}
     if len(shared) == len(names) and all(len(s.rows) == len(names) for s in summaries):
         metrics = set.intersection(*(set(s.average) for s in summaries))
         rows["average"] = {m: [s.average[m] for s in summaries] for m in sorted(metrics, key=_k_of)}
+        rows["average"] |= {
+            k: [s.average_lengths[k] for s in summaries]
+            for k in LENGTHS
+            if all(k in s.average_lengths for s in summaries)
+        }
     return RunsSummary(list(labels), list(summaries), rows)
 
 
@@ -523,6 +657,9 @@ class ComparisonRow:
     ci: tuple[float, float] | None
     a_better: int
     b_better: int
+    # "length" / "length_correct" / "length_wrong" -> {"a", "b", "diff", "se"}: mean response tokens of A and B and
+    # their difference paired by problem (where both results have token counts and such samples).
+    lengths: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -537,37 +674,51 @@ class Comparison:
     confidence: float
     resample_samples: bool = False
 
+    @property
+    def length_columns(self) -> list[str]:
+        """The ``LENGTHS`` keys some row compares."""
+        return [key for key in LENGTHS if any(key in r.lengths for r in self.rows)]
+
     def to_markdown(self) -> str:
-        """Markdown table in percent points."""
+        """Markdown table in percent points; mean response lengths in tokens beside them."""
+        lengths = self.length_columns
+        titles = "".join(f" {LENGTHS[c]} A / B, A - B ± se (tokens) |" for c in lengths)
         lines = [
             f"A = {self.label_a}, B = {self.label_b}: pass@k in %, difference A - B paired by problem "
             f"(± standard error; {round(100 * self.confidence)}% paired bootstrap interval, "
             f"{_resampled(self.resample_samples)}; {self.replicates} replicates, seed {self.seed}).",
             "",
-            "| benchmark | metric | problems | A | B | A - B | ± se | interval | problems A > B / A < B |",
-            "|---|---|---:|---:|---:|---:|---:|---|---:|",
+            "| benchmark | metric | problems | A | B | A - B | ± se | interval | problems A > B / A < B |" + titles,
+            "|---|---|---:|---:|---:|---:|---:|---|---:|" + "---:|" * len(lengths),
         ]
         for r in self.rows:
             interval = f"[{_pct(r.ci[0])}, {_pct(r.ci[1])}]" if r.ci is not None else "-"
             problems = "" if r.benchmark == "average" else str(r.problems)
             wins = "" if r.benchmark == "average" else f"{r.a_better} / {r.b_better}"
+            cells = "".join(f" {_length_pair(r.lengths.get(c))} |" for c in lengths)
             lines.append(
                 f"| {r.benchmark} | {r.metric} | {problems} | {_pct(r.a)} | {_pct(r.b)} | {100 * r.diff:+.2f} | "
-                f"{_pct(r.se)} | {interval} | {wins} |"
+                f"{_pct(r.se)} | {interval} | {wins} |{cells}"
             )
         return "\n".join(lines) + "\n"
 
     def to_csv(self) -> str:
-        """CSV, values in [0, 1]."""
+        """CSV, values in [0, 1]; lengths in tokens.
+
+        Length columns: ``length_a``, ``length_b``, ``length_diff``, ``length_se``, then ``length_correct_*``, ...
+        """
         buf = io.StringIO()
         writer = csv.writer(buf, lineterminator="\n")
+        lengths = [(c, part) for c in self.length_columns for part in ("a", "b", "diff", "se")]
         writer.writerow(
             ["benchmark", "metric", "problems", "a", "b", "diff", "se", "ci_low", "ci_high", "a_better", "b_better"]
+            + [f"{c}_{part}" for c, part in lengths]
         )
         for r in self.rows:
             low, high = r.ci if r.ci is not None else ("", "")
             writer.writerow(
                 [r.benchmark, r.metric, r.problems, r.a, r.b, r.diff, r.se, low, high, r.a_better, r.b_better]
+                + [r.lengths[c][part] if c in r.lengths else "" for c, part in lengths]
             )
         return buf.getvalue()
 
@@ -590,6 +741,38 @@ class Comparison:
         return self.to_markdown()
 
 
+def _length_pair(values: dict[str, float] | None) -> str:
+    if values is None:
+        return "-"
+    d = 1 if values["se"] >= 0.1 else 3
+    return f"{values['a']:.{d}f} / {values['b']:.{d}f}, {values['diff']:+.{d}f} ± {values['se']:.{d}f}"
+
+
+def _paired_lengths(
+    a: dict[int, list[tuple[int, bool]]], b: dict[int, list[tuple[int, bool]]], problems: Sequence[int]
+) -> dict[str, dict[str, float]]:
+    """Mean response lengths of A and B on ``problems`` and their difference paired by problem, per ``LENGTHS`` key."""
+    out = {}
+    for key in LENGTHS:
+        ta, na = zip(*(_length_totals(a[p], key) for p in problems), strict=True)
+        tb, nb = zip(*(_length_totals(b[p], key) for p in problems), strict=True)
+        if sum(na) > 0 and sum(nb) > 0:
+            diff, se = stats.paired_ratio_difference(ta, na, tb, nb)
+            out[key] = {"a": math.fsum(ta) / sum(na), "b": math.fsum(tb) / sum(nb), "diff": diff, "se": se}
+    return out
+
+
+def _average_lengths(per_benchmark: Sequence[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """The benchmarks' length comparisons averaged (standard errors combined as independent), where all have one."""
+    out = {}
+    for key in LENGTHS:
+        if all(key in lengths for lengths in per_benchmark):
+            rows = [lengths[key] for lengths in per_benchmark]
+            out[key] = {part: math.fsum(r[part] for r in rows) / len(rows) for part in ("a", "b", "diff")}
+            out[key]["se"] = stats.combined_se([r["se"] for r in rows])
+    return out
+
+
 def compare_results(
     records_a: Sequence[dict[str, Any]],
     records_b: Sequence[dict[str, Any]],
@@ -602,6 +785,10 @@ def compare_results(
     resample_samples: bool = False,
 ) -> Comparison:
     """Paired difference ``pass@k(A) - pass@k(B)`` per benchmark on the problems both results have.
+
+    Beside each row, the mean response lengths (tokens; all, correct and wrong samples) of A and B and their
+    difference paired by problem (:func:`nemo_disco.stats.paired_ratio_difference`), where both results have
+    ``response_tokens``.
 
     The standard error is that of the mean per-problem difference (:func:`nemo_disco.stats.paired_difference`);
     the interval is a paired bootstrap that draws the same problems for both results. By default only problems
@@ -624,6 +811,7 @@ def compare_results(
         ValueError: the results share no benchmark or no problem, a k above the samples, ungraded records.
     """
     ca, cb = _correct(records_a), _correct(records_b)
+    tokens_a, tokens_b = _token_counts(records_a), _token_counts(records_b)
     shared = [b for b in ca if b in cb]
     only = sorted(set(ca) ^ set(cb))
     if only:
@@ -655,6 +843,8 @@ def compare_results(
                 seed=_bench_seed(seed, bench),
                 resample_samples=resample_samples,
             )
+        both = bench in tokens_a and bench in tokens_b
+        lengths = _paired_lengths(tokens_a[bench], tokens_b[bench], problems) if both else {}
         for i, k in enumerate(ks):
             va = [pass_at_k(n, x, k) for n, x in zip(na, xa, strict=True)]
             vb = [pass_at_k(n, x, k) for n, x in zip(nb, xb, strict=True)]
@@ -675,6 +865,7 @@ def compare_results(
                     ci,
                     sum(a > b for a, b in zip(va, vb, strict=True)),
                     sum(a < b for a, b in zip(va, vb, strict=True)),
+                    lengths,
                 )
             )
     if len(shared) > 1:
@@ -696,6 +887,7 @@ def compare_results(
                     ci,
                     sum(r.a_better for r in per),
                     sum(r.b_better for r in per),
+                    _average_lengths([r.lengths for r in per]),
                 )
             )
     return Comparison(labels[0], labels[1], rows, replicates, seed, confidence, resample_samples)
@@ -760,6 +952,76 @@ def plot_pass_at_k(
         ax.set_title(bench)
         ax.set_xlabel("k")
         ax.set_ylabel("pass@k (%)")
+        ax.grid(alpha=0.3)
+    from nemo_disco.metrics import save_figure
+
+    return save_figure(fig, axes, len(panels), out)
+
+
+def plot_length_accuracy(
+    summaries: Sequence[EvalSummary],
+    labels: Sequence[str],
+    out: str | os.PathLike,
+    *,
+    benchmarks: Sequence[str] | None = None,
+    metric: str = "pass@1",
+) -> Path:
+    """PNG of accuracy (``metric``) against mean response length for several results: a panel per benchmark.
+
+    Each result is one point per panel (x: mean tokens over all samples, y: ``metric``), with error bars of one
+    standard error both ways, and its label; a panel for the average over benchmarks when there are several.
+
+    Raises:
+        ValueError: no results, labels of another length, a requested benchmark no result has, or a result without
+            response lengths (records lacking ``response_tokens``).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not summaries or len(summaries) != len(labels):
+        raise ValueError(
+            f"plot_length_accuracy needs one label per result ({len(summaries)} results, {len(labels)} labels)"
+        )
+    present = list(dict.fromkeys(r.benchmark for s in summaries for r in s.rows))
+    names = list(benchmarks) if benchmarks else present
+    missing = [b for b in names if b not in present]
+    if missing:
+        raise ValueError(f"no result has benchmark(s) {', '.join(missing)} (they have {', '.join(present)})")
+    for s, label in zip(summaries, labels, strict=True):
+        if not any("length" in r.lengths for r in s.rows):
+            raise ValueError(f"result {label} has no response lengths (its records lack response_tokens)")
+    panels = names + (["average"] if len(names) > 1 else [])
+    cols = min(3, len(panels))
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.4 * rows), squeeze=False)
+    for ax, bench in zip(axes.flat, panels, strict=False):
+        for s, label in zip(summaries, labels, strict=True):
+            if bench == "average":
+                acc, acc_se, length, length_se = s.average, s.average_se, s.average_lengths, s.average_lengths_se
+            elif any(r.benchmark == bench for r in s.rows):
+                r = s.row(bench)
+                acc, acc_se, length, length_se = r.metrics, r.se, r.lengths, r.lengths_se
+            else:
+                continue
+            if metric not in acc or "length" not in length:
+                continue
+            x, y = length["length"], 100 * acc[metric]
+            ax.errorbar(
+                x,
+                y,
+                xerr=length_se["length"],
+                yerr=100 * acc_se.get(metric, 0.0),
+                marker="o",
+                ms=4,
+                capsize=2,
+                label=label,
+            )
+            ax.annotate(label, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.set_title(bench)
+        ax.set_xlabel("mean response length (tokens)")
+        ax.set_ylabel(f"{metric} (%)")
         ax.grid(alpha=0.3)
     from nemo_disco.metrics import save_figure
 

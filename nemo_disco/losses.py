@@ -35,6 +35,7 @@ loss       objective                                      constraint / regularis
 disco      sum_q term_q / Q  (``divisor="valid"``: only   KL token mean over T_tot (eq. 9)
            questions with a positive AND a negative)
 discob     same as disco                                  same as disco
+drpo       same as disco (positives length-weighted)      same as disco
 grpo       mean over N of the per-rollout token mean      kl_coef x mean over N of the token
                                                           mean of k3(theta || ref)
 grpo_rw    sum_q term_q / Q, like disco                   same as grpo
@@ -680,6 +681,14 @@ class DiscobParams(_Hyper):
     divisor: str = _choice("all", "all", "valid")
 
 
+@dataclass(frozen=True)
+class DrpoParams(DiscoParams):
+    """DRPO: DisCO with positives weighted by ``exp((1 - L / max_response_tokens) / drpo_lambda)``, L their length."""
+
+    drpo_lambda: float = _positive(0.1)
+    max_response_tokens: int = _hp(8192, lambda v: _integer(v) and v >= 1, "an int >= 1")
+
+
 SCORE_STATS = ("score", "kl_sum", "tokens", "clamped")
 
 
@@ -795,6 +804,63 @@ def discob_objective(
     mean_neg, w_neg = weighted_group_mean(score, inv, Q, ~pos, weights)  # [Q]
     valid = (w_pos > 0) & (w_neg > 0)  # [Q]
     term = torch.where(valid, mean_pos - mean_neg, 0.0)  # [Q]  eq. 7
+    J = term.sum() / _divisor(p.divisor, Q, valid)
+    metrics = _group_metrics(inv, Q, rewards, pos, score.detach(), score.detach())
+    return _constrained(J, stats, p, metrics)
+
+
+def _length_log_weights(tokens: Tensor, index: Tensor, num_groups: int, select: Tensor, p: DrpoParams) -> Tensor:
+    """DRPO's log length weights ``(1 - L_i / L_max) / lambda`` shifted by their largest in the question. [N] -> [N].
+
+    ``L_i`` = ``tokens`` (the response length), ``L_max`` = ``max_response_tokens``. Only ratios within a question
+    matter (the weights are normalised over its positives), so the shift by the largest log weight among the selected
+    rows of each question keeps exp() in range for any lambda; unselected rows get 0.
+    """
+    log_w = (1.0 - tokens / p.max_response_tokens) / p.drpo_lambda  # [N]
+    peak = log_w.new_full((num_groups,), -math.inf)
+    peak = peak.scatter_reduce(0, index, torch.where(select, log_w, -math.inf), "amax")  # [Q]
+    peak = torch.where(torch.isfinite(peak), peak, 0.0)
+    return torch.where(select, log_w - peak[index], 0.0)  # [N]
+
+
+def drpo_objective(
+    stats: Tensor, group_ids: Tensor, rewards: Tensor, weights: Tensor | None, p: DrpoParams
+) -> tuple[Tensor, dict[str, Tensor | float]]:
+    """DRPO: DisCO's DRO term with the positives weighted towards short responses, under the KL constraint.
+
+    Per question q with positives P_q and negatives N_q (w = rollout weights, 1 when None; L_i the response length
+    in tokens, L_max = ``max_response_tokens``, lambda = ``drpo_lambda``)::
+
+        u_i    = w_i exp((1 - L_i / L_max) / lambda)                                        (i in P_q)
+        term_q = sum_{i in P_q} u_i s_i / sum_{i in P_q} u_i
+                 - tau * log( sum_{j in N_q} w_j exp(s_j / tau) / sum_{j in N_q} w_j )
+
+    i.e. the u-weighted mean over positives of ``s_i - tau log mean_w_{j in N_q} exp(s_j / tau)`` (the DRO term
+    does not depend on i). As lambda grows, u_i -> w_i and DRPO becomes DisCO. Questions without a positive or a
+    negative add 0. **Objective denominator**: J = sum_q term_q / Q with Q all questions of the mini-batch
+    (``divisor="all"``, the authors' code) or those with both (``"valid"``). **Constraint denominator**: K is
+    the token mean over all valid tokens of the mini-batch (unweighted). Loss = -J + beta [K - delta]_+^2.
+
+    ``official_compat=True``: as DisCO's (log-SUM-exp over negatives, the code's penalty). Departures from the
+    authors' ``compute_policy_loss_drpo`` beyond DisCO's: ``L_max`` is ``max_response_tokens`` (the code divides
+    by the padded width of the response tensor, which in their verl equals the response budget
+    ``data.max_response_length``; here the weight never depends on how a micro-batch is padded); the length
+    weights are shifted by their largest per question before exp() (the same normalised weights, finite for any
+    lambda); groups of any size (the code reshapes to equal-sized groups); the score of a response without tokens
+    is 0 (the code divides by zero). The rollout weights multiply the length weights (the code has none).
+    """
+    score, tokens = stats[:, 0], stats[:, 2].detach()  # [N], [N]
+    inv, Q = group_index(group_ids)
+    pos = rewards > p.positive_threshold  # [N]
+    w = torch.ones_like(score) if weights is None else weights
+    length_w = torch.exp(_length_log_weights(tokens, inv, Q, pos, p))  # [N]; 1 for a question's shortest positive
+    mean_pos, w_pos = weighted_group_mean(score, inv, Q, pos, w * length_w)  # [Q]
+    lme_neg, w_neg = weighted_group_logmeanexp(score / p.tau, inv, Q, ~pos, weights)  # [Q]
+    if p.official_compat:
+        n_neg = score.new_zeros(Q).index_add(0, inv, (~pos).to(score.dtype))  # [Q]
+        lme_neg = lme_neg + torch.log(n_neg.clamp(min=1))
+    valid = (w_pos > 0) & (w_neg > 0)  # [Q]
+    term = torch.where(valid, mean_pos - p.tau * lme_neg, 0.0)  # [Q]
     J = term.sum() / _divisor(p.divisor, Q, valid)
     metrics = _group_metrics(inv, Q, rewards, pos, score.detach(), score.detach())
     return _constrained(J, stats, p, metrics)
@@ -1311,6 +1377,7 @@ def _registered(
 LOSSES: dict[str, Loss] = {
     "disco": _registered("disco", DiscoParams, SCORE_STATS, score_stats, disco_objective, _constrained_coupling),
     "discob": _registered("discob", DiscobParams, SCORE_STATS, score_stats, discob_objective, _constrained_coupling),
+    "drpo": _registered("drpo", DrpoParams, SCORE_STATS, score_stats, drpo_objective, _constrained_coupling),
     "grpo": _registered("grpo", ClipParams, CLIP_STATS, clip_stats, grpo_objective, _rollout_coupled),
     "grpo_rw": _registered("grpo_rw", GrpoRwParams, CLIP_STATS, clip_stats, grpo_rw_objective, _question_coupled),
     "dr_grpo": _registered("dr_grpo", DrGrpoParams, CLIP_STATS, clip_stats, dr_grpo_objective, _rollout_coupled),

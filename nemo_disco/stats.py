@@ -72,6 +72,55 @@ def mean_sd(values: Sequence[float]) -> tuple[float, float]:
     return mean, se * math.sqrt(len(values))
 
 
+def ratio_mean_se(totals: Sequence[float], counts: Sequence[float]) -> tuple[float, float]:
+    """``sum(totals) / sum(counts)`` over problems and its standard error clustered by problem.
+
+    The mean of a per-sample quantity (a response length) over some samples of every problem (all of them, or
+    only the correct ones): ``totals[p]`` is problem p's sum over its chosen samples, ``counts[p]`` their number
+    (0 allowed). The samples of one problem are not independent, so the standard error treats problems as the
+    units, as pass@k's does: the linearised (delta-method) ratio estimator
+    ``se = sqrt(P / (P - 1) * sum_p z_p^2)`` with ``z_p = (totals[p] - R counts[p]) / sum(counts)`` (0 for P < 2).
+    With the same count for every problem this is :func:`mean_se` of the per-problem means.
+
+    Raises:
+        ValueError: lengths differ, nothing given, or no sample counted.
+    """
+    z, ratio = _ratio_influence(totals, counts)
+    return ratio, _cluster_se(z)
+
+
+def paired_ratio_difference(
+    totals_a: Sequence[float], counts_a: Sequence[float], totals_b: Sequence[float], counts_b: Sequence[float]
+) -> tuple[float, float]:
+    """``R_a - R_b`` of two :func:`ratio_mean_se` means on the same problems, its standard error paired by problem.
+
+    ``z_p = z_a,p - z_b,p`` (each run's linearised term of problem p), so what the two runs share per problem cancels.
+
+    Raises:
+        ValueError: lengths differ, nothing given, or no sample counted in one run.
+    """
+    if len(totals_a) != len(totals_b):
+        raise ValueError(f"paired_ratio_difference needs the same problems ({len(totals_a)} vs {len(totals_b)})")
+    za, ra = _ratio_influence(totals_a, counts_a)
+    zb, rb = _ratio_influence(totals_b, counts_b)
+    return ra - rb, _cluster_se([a - b for a, b in zip(za, zb, strict=True)])
+
+
+def _ratio_influence(totals: Sequence[float], counts: Sequence[float]) -> tuple[list[float], float]:
+    if len(totals) != len(counts) or not totals:
+        raise ValueError(f"need equal-length, non-empty per-problem totals and counts ({len(totals)}, {len(counts)})")
+    n = math.fsum(counts)
+    if n <= 0:
+        raise ValueError("no sample counted")
+    ratio = math.fsum(totals) / n
+    return [(t - ratio * c) / n for t, c in zip(totals, counts, strict=True)], ratio
+
+
+def _cluster_se(z: Sequence[float]) -> float:
+    p = len(z)
+    return math.sqrt(p / (p - 1) * math.fsum(v * v for v in z)) if p > 1 else 0.0
+
+
 def combined_se(ses: Sequence[float]) -> float:
     """Standard error of the unweighted mean of independent estimates: ``sqrt(sum se_i^2) / m``.
 

@@ -78,6 +78,7 @@ GPG_SAMPLER = ["algorithm.dynamic_sampling=true", "algorithm.min_valid_share=0.6
     ("loss", "extra"),
     [
         ("disco", []),
+        ("drpo", []),  # DisCO's coupling: the same update plan
         ("grpo", []),
         ("dapo", DAPO_DATA_SIDE),
         ("gpg", GPG_SAMPLER),
@@ -103,9 +104,9 @@ def test_three_steps_metrics_finite_and_parameters_change(tmp_path, loss, extra)
         # 2 updates per step of whole questions, forwards in units of the step's batch: the first update in one
         # pass (it makes its own old log-probs: the no-grad forward covers the second mini-batch only, 1/2);
         # DisCO's KL hinge couples the second update's mini-batch (two passes), the others' coefficients do not.
-        one_pass = 1 if loss == "disco" else 2
-        assert r["update/one_pass_updates"] == one_pass
-        assert r["update/forward_passes"] == 0.5 + 0.5 + (1.0 if loss == "disco" else 0.5)
+        hinge = loss in ("disco", "drpo")
+        assert r["update/one_pass_updates"] == (1 if hinge else 2)
+        assert r["update/forward_passes"] == 0.5 + 0.5 + (1.0 if hinge else 0.5)
     init = _weights(run / "init_model")
     final = _weights(run / "checkpoints" / "step_3" / "policy")
     changed = [k for k in init if not torch.equal(init[k], final[k])]

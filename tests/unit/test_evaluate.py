@@ -27,6 +27,7 @@ from nemo_disco.evaluate import (
     ks_for,
     load_results,
     pass_at_k,
+    plot_length_accuracy,
     plot_pass_at_k,
     summarize,
     write_results,
@@ -380,6 +381,107 @@ def test_plot_pass_at_k(tmp_path):
     assert out.read_bytes().startswith(b"\x89PNG") and out.stat().st_size > 10_000
     with pytest.raises(ValueError, match="no result has benchmark"):
         plot_pass_at_k(summaries, ["a", "c"], tmp_path / "x.png", benchmarks=["aime"])
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Response length beside accuracy
+
+
+def _timed(table: dict[tuple[str, int], list[tuple[int, int]]]) -> list[dict]:
+    """Graded records with token counts from {(benchmark, problem): [(tokens, score) of each sample]}."""
+    return [
+        {"benchmark": b, "problem_index": p, "sample_index": j, "response": "", "score": float(s), "response_tokens": t}
+        for (b, p), samples in table.items()
+        for j, (t, s) in enumerate(samples)
+    ]
+
+
+# alpha: problem 0 samples (10 tokens, right), (20, wrong); problem 1 (30, wrong), (50, wrong).
+# beta: (4, right), (6, right).
+LENGTHS_A = {("alpha", 0): [(10, 1), (20, 0)], ("alpha", 1): [(30, 0), (50, 0)], ("beta", 5): [(4, 1), (6, 1)]}
+# B on alpha: problem 0 (12, right), (14, right); problem 1 (40, wrong), (40, right).
+LENGTHS_B = {("alpha", 0): [(12, 1), (14, 1)], ("alpha", 1): [(40, 0), (40, 1)]}
+
+
+def test_summary_reports_response_lengths(tmp_path):
+    summary = write_results(_timed(LENGTHS_A), tmp_path / "res", replicates=0)
+    alpha, beta = summary.row("alpha"), summary.row("beta")
+    # alpha, all samples: per-problem means 15 and 40 -> 27.5, se = sd(15, 40) / sqrt(2) = 12.5.
+    # correct: one sample of 10 (problem 1 has none and counts 0) -> 10 +- 0.
+    # wrong: 20 | 30, 50 -> 100 / 3, clustered se 80 / 9 (tests/unit/test_stats.py works it out).
+    assert alpha.lengths == pytest.approx({"length": 27.5, "length_correct": 10.0, "length_wrong": 100 / 3})
+    assert alpha.lengths_se == pytest.approx({"length": 12.5, "length_correct": 0.0, "length_wrong": 80 / 9})
+    # beta: all right, (4 + 6) / 2 = 5; no wrong sample -> no wrong length.
+    assert beta.lengths == {"length": 5.0, "length_correct": 5.0} and beta.lengths_se["length"] == 0.0
+    # Average over benchmarks: (27.5 + 5) / 2 = 16.25, se sqrt(12.5^2 + 0) / 2 = 6.25; correct (10 + 5) / 2 = 7.5;
+    # wrong: not every benchmark has it -> left out.
+    assert summary.average_lengths == {"length": 16.25, "length_correct": 7.5}
+    assert summary.average_lengths_se == {"length": 6.25, "length_correct": 0.0}
+    md = (tmp_path / "res" / "summary.md").read_text()
+    assert "length (tokens) | correct length (tokens) | wrong length (tokens) |" in md
+    # One decimal; three where the standard error is below 0.1 (the CPU demo's responses are ~11 tokens).
+    assert "| 27.5 ± 12.5 | 10.000 ± 0.000 | 33.3 ± 8.9 |" in md and "| 5.000 ± 0.000 | 5.000 ± 0.000 | - |" in md
+    assert "| 16.2 ± 6.2 | 7.500 ± 0.000 | - |" in md
+    rows = {r["benchmark"]: r for r in csv.DictReader((tmp_path / "res" / "summary.csv").open())}
+    assert float(rows["alpha"]["length_wrong_se"]) == pytest.approx(80 / 9) and rows["beta"]["length_wrong"] == ""
+    assert float(rows["average"]["length"]) == 16.25
+    saved = json.loads((tmp_path / "res" / "summary.json").read_text())
+    assert saved["benchmarks"][0]["length_correct"] == 10.0 and saved["average"]["length_se"] == 6.25
+    # Records without token counts (older results): no length anywhere.
+    plain = summarize(_records({("alpha", 0): [1, 0]}), replicates=0)
+    assert plain.row("alpha").lengths == {} and "length" not in plain.to_markdown() and "length" not in plain.to_csv()
+
+
+def test_compare_results_pairs_lengths_by_problem(tmp_path):
+    cmp = compare_results(_timed(LENGTHS_A), _timed(LENGTHS_B), replicates=0, labels=("drpo", "disco"))
+    (alpha,) = cmp.rows  # beta is only in A
+    # All samples: 27.5 vs (13 + 40) / 2 = 26.5; per-problem differences 2, 0 -> +1 +- 1.
+    # Correct: 10 vs (12 + 14 + 40) / 3 = 22 -> -12, se 12; wrong: 100/3 vs 40 -> -20/3, se 80/9 (B's z are 0).
+    assert alpha.lengths["length"] == pytest.approx({"a": 27.5, "b": 26.5, "diff": 1.0, "se": 1.0})
+    assert alpha.lengths["length_correct"] == pytest.approx({"a": 10.0, "b": 22.0, "diff": -12.0, "se": 12.0})
+    assert alpha.lengths["length_wrong"] == pytest.approx({"a": 100 / 3, "b": 40.0, "diff": -20 / 3, "se": 80 / 9})
+    md = cmp.to_markdown()
+    assert "| length A / B, A - B ± se (tokens) |" in md
+    assert "| 27.5 / 26.5, +1.0 ± 1.0 | 10.0 / 22.0, -12.0 ± 12.0 | 33.3 / 40.0, -6.7 ± 8.9 |" in md
+    parsed = next(csv.DictReader(io.StringIO(cmp.to_csv())))
+    assert float(parsed["length_correct_diff"]) == -12.0 and float(parsed["length_se"]) == 1.0
+    # Two benchmarks: the average row averages the differences (standard errors combined as independent).
+    b2 = {("beta", 5): [(8, 1), (6, 0)]}
+    cmp2 = compare_results(_timed(LENGTHS_A), _timed(LENGTHS_B | b2), replicates=0)
+    avg = next(r for r in cmp2.rows if r.benchmark == "average")
+    # beta: 5 vs 7 -> -2 +- 0 (one problem); average (1 - 2) / 2 = -0.5, se sqrt(1 + 0) / 2 = 0.5.
+    assert avg.lengths["length"] == pytest.approx({"a": 16.25, "b": 16.75, "diff": -0.5, "se": 0.5})
+    assert "length_wrong" not in avg.lengths  # A has no wrong sample on beta
+    assert compare_results(_records(COUNTS_A), _records(COUNTS_B), replicates=0).rows[0].lengths == {}
+
+
+def test_aggregate_runs_reports_lengths_across_runs():
+    # Two runs of alpha (LENGTHS_A's and LENGTHS_B's): lengths 27.5 and 26.5 -> mean 27, sd sqrt(0.5) = 0.7071;
+    # correct 10 and 22 -> 16 +- sqrt(72) = 8.4853; wrong 100/3 and 40.
+    runs = aggregate_runs([summarize(_timed(t), replicates=0) for t in (LENGTHS_A, LENGTHS_B)], ["a", "b"])
+    assert runs.rows["alpha"]["length"] == [27.5, 26.5]
+    assert runs.stats("alpha", "length_correct") == pytest.approx(
+        {"mean": 16.0, "sd": math.sqrt(72), "se": 6.0, "min": 10.0, "max": 22.0}
+    )
+    assert "average" not in runs.rows  # beta is in run a only
+    md = runs.to_markdown()
+    assert "| length (tokens) | correct length (tokens) | wrong length (tokens) |" in md
+    assert "| 27.0 ± 0.7 [26.5, 27.5] | 16.0 ± 8.5 [10.0, 22.0] | 36.7 ± 4.7 [33.3, 40.0] |" in md
+    metrics = [(r["benchmark"], r["metric"]) for r in csv.DictReader(io.StringIO(runs.to_csv()))]
+    assert metrics[-3:] == [("alpha", "length"), ("alpha", "length_correct"), ("alpha", "length_wrong")]
+
+
+def test_plot_length_accuracy(tmp_path):
+    summaries = [summarize(_timed(t), replicates=0) for t in (LENGTHS_A, LENGTHS_B)]
+    out = plot_length_accuracy(summaries, ["drpo", "disco"], tmp_path / "p" / "len.png")
+    assert out.read_bytes().startswith(b"\x89PNG") and out.stat().st_size > 10_000
+    with pytest.raises(ValueError, match="no response lengths"):
+        plot_length_accuracy([summarize(_records(COUNTS_A), replicates=0)], ["old"], tmp_path / "x.png")
+    write_results(_timed(LENGTHS_A), tmp_path / "a", replicates=0)
+    write_results(_timed(LENGTHS_B), tmp_path / "b", replicates=0)
+    assert cli.main(["plot", "--length-accuracy", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(out)]) == 0
+    write_results(_records(COUNTS_A), tmp_path / "old", replicates=0)
+    assert cli.main(["plot", "--length-accuracy", str(tmp_path / "old"), "--out", str(tmp_path / "y.png")]) == 2
 
 
 # ----------------------------------------------------------------------------------------------------------------------

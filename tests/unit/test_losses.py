@@ -45,6 +45,7 @@ NAIVE_DEFAULTS = {
     "trpa_beta": 0.1,
     "trpa_anisotropy": 2.5,
     "tr_kl_coef": 1e-3,
+    "drpo_lambda": 0.1,
 }
 
 
@@ -79,7 +80,7 @@ def naive(name, lp, old, mask, gids, rewards, *, entropy=None, ref=None, weights
                 kl_terms.append(torch.exp(d) - 1 - d)
     K = sum(kl_terms) / total_tokens if kl_terms else lp.new_zeros(())
 
-    if name in ("disco", "discob"):
+    if name in ("disco", "discob", "drpo"):
         s = []
         for i in range(N):
             if not toks[i]:
@@ -97,15 +98,20 @@ def naive(name, lp, old, mask, gids, rewards, *, entropy=None, ref=None, weights
                 continue
             n_valid += 1
             wp, wn = sum(w[i] for i in P), sum(w[j] for j in Ng)
-            if name == "disco":
-                # eq. 10 per positive: -tau log mean_j exp((s_j - s_i) / tau), weighted means.
+            if name in ("disco", "drpo"):
+                # eq. 10 per positive: -tau log mean_j exp((s_j - s_i) / tau), weighted means. DRPO: each positive
+                # also weighted by exp((1 - L_i / L_max) / lambda), normalised over the question's positives.
+                u = {i: w[i] for i in P}
+                if name == "drpo":
+                    L_max, lam = h["max_response_tokens"], h["drpo_lambda"]
+                    u = {i: w[i] * math.exp((1 - len(toks[i]) / L_max) / lam) for i in P}
                 term = lp.new_zeros(())
                 for i in P:
                     inner = sum(w[j] * torch.exp((s[j] - s[i]) / tau) for j in Ng) / wn
                     if h["official_compat"]:
                         inner = inner * len(Ng)  # log-SUM-exp
-                    term = term + w[i] * (-tau * torch.log(inner))
-                total = total + term / wp
+                    term = term + u[i] * (-tau * torch.log(inner))
+                total = total + term / sum(u.values())
             else:
                 # eq. 7 with the identity surrogate: pairwise mean of s_i - s_j.
                 pair = sum(w[i] * w[j] * (s[i] - s[j]) for i in P for j in Ng)
@@ -319,6 +325,10 @@ VARIANTS = [
     ("discob", {"score": "logl", "kl": "k3"}),
     ("discob", {"score": "lratio", "divisor": "valid"}),
     ("discob", {"score": "logl", "official_compat": True}),
+    ("drpo", {"max_response_tokens": 8}),
+    ("drpo", {"max_response_tokens": 8, "drpo_lambda": 0.5, "kl": "k3", "divisor": "valid"}),
+    ("drpo", {"max_response_tokens": 10, "drpo_lambda": 2.0, "official_compat": True}),
+    ("drpo", {"max_response_tokens": 7, "drpo_lambda": 0.01, "score": "lratio", "tau": 1.0}),
     ("grpo", {}),
     ("grpo", {"kl_coef": 0.05, "clip_eps_high": 0.28, "kl": "k3"}),
     ("grpo_rw", {"kl_coef": 0.05}),
@@ -441,6 +451,55 @@ def test_discob_logl_hand_values() -> None:
     loss, m = fn(lp, old, mask, CASE_A_GIDS, CASE_A_REWARDS, official_compat=True, divisor="valid")
     # divisor "valid": J = 2 / 1; penalty as the code: 1e3 * 0.0624 * 0.0625 = 3.9.
     assert loss.item() == pytest.approx(-2.0 + 3.9, abs=1e-10)
+
+
+# Case D (DRPO): one question, positives p1 [-1] (L = 1, s = -1) and p2 [-2, -2] (L = 2, s = -2), negative n [-3]
+# (s = -3); old = new; tau = 1, L_max = 4, lambda = 0.5:
+#   u_1 = exp((1 - 1/4) / 0.5) = e^1.5,  u_2 = exp((1 - 2/4) / 0.5) = e^1
+#   -> a_1 = u_1 / (u_1 + u_2) = 1 / (1 + e^-0.5)
+#   term = a_1 s_1 + (1 - a_1) s_2 - tau log(exp(s_n / tau)) = -2 + a_1 + 3 = 1 + a_1;  Q = 1.
+
+
+def test_drpo_hand_values() -> None:
+    lp, mask = _rows([-1.0], [-2.0, -2.0], [-3.0])
+    lp.requires_grad_(True)
+    gids, rewards = torch.tensor([0, 0, 0]), torch.tensor([1.0, 1.0, 0.0], dtype=DT)
+    fn = losses.get_loss("drpo", tau=1.0, drpo_lambda=0.5, max_response_tokens=4)
+    loss, m = fn(lp, lp.detach(), mask, gids, rewards)
+    a1 = 1 / (1 + math.exp(-0.5))
+    assert a1 == pytest.approx(0.6224593312018546, abs=1e-15)
+    assert loss.item() == pytest.approx(-(1 + a1), abs=1e-12)
+    assert m["objective"] == pytest.approx(1 + a1, abs=1e-12) and m["kl"] == 0.0 and m["penalty"] == 0.0
+    # dloss/dlp: p1 -a_1 (1 token); p2 -(1 - a_1) / 2 on each of its 2 tokens; n: -(-1) x softmax 1 = +1.
+    expected = torch.tensor([[-a1, 0.0], [-(1 - a1) / 2, -(1 - a1) / 2], [1.0, 0.0]], dtype=DT)
+    torch.testing.assert_close(_grad(loss, lp), expected, atol=1e-12, rtol=0)
+    # DisCO weights the two positives equally: term = (-1 - 2) / 2 + 3 = 1.5.
+    disco, _ = losses.get_loss("disco", tau=1.0)(lp, lp.detach(), mask, gids, rewards)
+    assert disco.item() == pytest.approx(-1.5, abs=1e-12)
+
+
+@pytest.mark.parametrize("hp", [{}, {"score": "lratio", "tau": 1.0, "kl": "k3"}, {"official_compat": True}])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_drpo_with_large_lambda_is_disco(hp: dict, weighted: bool) -> None:
+    c = random_case(4)
+    w = torch.rand(len(c["gids"]), generator=torch.Generator().manual_seed(5), dtype=DT) + 0.5 if weighted else None
+    args = (c["lp"], c["old"], c["mask"], c["gids"], c["rewards"])
+    disco, dm = losses.get_loss("disco", **hp)(*args, weights=w)
+    drpo, rm = losses.get_loss("drpo", drpo_lambda=1e12, max_response_tokens=8, **hp)(*args, weights=w)
+    assert drpo.item() == pytest.approx(disco.item(), abs=1e-10) and rm["objective"] == pytest.approx(dm["objective"])
+    torch.testing.assert_close(_grad(drpo, c["lp"]), _grad(disco, c["lp"]), atol=1e-10, rtol=0)
+    # At the default lambda the lengths (1 to 7 tokens of a budget of 8) change the objective.
+    short, _ = losses.get_loss("drpo", max_response_tokens=8, **hp)(*args, weights=w)
+    assert abs(short.item() - disco.item()) > 1e-3
+
+
+def test_drpo_small_lambda_stays_finite() -> None:
+    # lambda = 1e-4: exp((1 - L / L_max) / lambda) overflows float64 unshifted; the shortest positive takes all.
+    c = random_case(6)
+    loss, _ = losses.get_loss("drpo", drpo_lambda=1e-4, max_response_tokens=8)(
+        c["lp"], c["old"], c["mask"], c["gids"], c["rewards"]
+    )
+    assert math.isfinite(loss.item()) and torch.isfinite(_grad(loss, c["lp"])).all()
 
 
 # Case B (L-ratio), same rows and questions, log-ratios logp - old_logp:
@@ -713,7 +772,7 @@ def test_gradient_matches_naive_loop(name: str, hp: dict, reward_kind: str, regi
     assert loss.item() == pytest.approx(ref_loss.item(), abs=1e-10)
     assert m["objective"] == pytest.approx(J.item(), abs=1e-10)
     assert m["kl"] == pytest.approx(K.item(), abs=1e-12)
-    if name in ("disco", "discob"):
+    if name in ("disco", "discob", "drpo"):
         assert m["constraint_active"] == (1.0 if regime == "active" else 0.0)
     # The case has questions without a positive (42) and without a negative (5, 3).
     assert m["no_positive"] == 1 and m["no_negative"] == 2 and m["questions"] == 6
@@ -797,7 +856,7 @@ def test_microbatch_invariance(name: str, hp: dict) -> None:
         grad, mb_value, metrics = microbatch_grad(pol, c, fn, hp, size, seed=size)
         torch.testing.assert_close(grad, full, atol=1e-10, rtol=0)
         assert mb_value == pytest.approx(value, abs=1e-12)
-    if name in ("disco", "discob"):
+    if name in ("disco", "discob", "drpo"):
         assert metrics["constraint_active"] == 1.0  # the penalty's gradient is part of what is checked
 
 
@@ -977,7 +1036,7 @@ def test_empty_rows_are_safe() -> None:
 
 
 def test_registry_and_lookup_errors() -> None:
-    names = ["disco", "discob", "grpo", "grpo_rw", "dr_grpo", "dapo", "grpo_er", "gpg", "trpa"]
+    names = ["disco", "discob", "drpo", "grpo", "grpo_rw", "dr_grpo", "dapo", "grpo_er", "gpg", "trpa"]
     assert list(losses.LOSSES) == names
     with pytest.raises(ValueError, match="valid names: " + ", ".join(names)):
         losses.get_loss("ppo")
@@ -1019,7 +1078,12 @@ def test_reference_and_entropy_requirements() -> None:
 def test_loss_kwargs_from_config(name: str) -> None:
     cfg = config_lib.validate(
         {
-            "loss": {"name": name, "tau": 2.0, "entropy_coef": 0.01 if name == "grpo_er" else None},
+            "loss": {
+                "name": name,
+                "tau": 2.0,
+                "entropy_coef": 0.01 if name == "grpo_er" else None,
+                "drpo_lambda": 0.3 if name == "drpo" else None,
+            },
             "reward": {"positive_threshold": 0.0},
             "generation": {"max_response_tokens": 4096},
         }
@@ -1028,10 +1092,11 @@ def test_loss_kwargs_from_config(name: str) -> None:
     fn = losses.get_loss(name, **hp)
     assert hp["positive_threshold"] == 0.0
     assert set(hp) <= {f.name for f in dataclasses.fields(fn.hparams)}
-    assert hp.get("tau") == (2.0 if name == "disco" else None)
-    assert ("max_response_tokens" in hp) == (name == "dr_grpo")
-    if name == "dr_grpo":
+    assert hp.get("tau") == (2.0 if name in ("disco", "drpo") else None)
+    assert ("max_response_tokens" in hp) == (name in ("dr_grpo", "drpo"))
+    if name in ("dr_grpo", "drpo"):
         assert hp["max_response_tokens"] == 4096
+    assert hp.get("drpo_lambda") == (0.3 if name == "drpo" else None)
     if name == "grpo_er":
         assert hp["entropy_coef"] == 0.01
     fn.params(**hp)  # accepted as is
@@ -1055,6 +1120,8 @@ def test_loss_kwargs_rejects_terms_the_loss_lacks() -> None:
     hp = config_lib.loss_kwargs(config_lib.validate({"loss": {"name": "trpa", "trpa_beta": 0.2, "tr_kl_coef": 0.0}}))
     assert hp["trpa_beta"] == 0.2 and hp["tr_kl_coef"] == 0.0 and hp["trpa_anisotropy"] == 2.5
     assert config_lib.loss_kwargs(config_lib.validate({"loss": {"name": "disco"}}))["tau"] == 10.0
+    with pytest.raises(ConfigError, match="loss.drpo_lambda=0.5 has no effect with loss.name=disco"):
+        config_lib.loss_kwargs(config_lib.validate({"loss": {"name": "disco", "drpo_lambda": 0.5}}))
 
 
 def test_loss_defaults_live_beside_the_loss_only():

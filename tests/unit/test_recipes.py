@@ -76,6 +76,15 @@ def _baseline(name: str, **extra) -> dict:
     return {**row, **extra}
 
 
+DRPO = {
+    "loss.name": "drpo",
+    "loss.drpo_lambda": 0.1,
+    "data.val": "aime",
+    "data.val_every": 20,
+    "data.val_samples": 8,
+    "generation.max_response_tokens": 8192,  # L_max of the length weights (the script's data.max_response_length)
+}
+
 EXPECTED: dict[str, dict] = {
     # tau: 10 for log-L, 1 for L-ratio (paper §6); lr 2e-6 for 1.5B, 1e-6 for 7B (scripts); steps 1400 / 1000 (§6).
     "disco-logl-r1qwen1.5b-1n8g-8k": _disco(QWEN_1_5B, 2e-6, 1400, "logl", 10.0, **{"loss.name": "disco"}),
@@ -106,6 +115,10 @@ EXPECTED: dict[str, dict] = {
             "data.val_samples": 8,
         },
     ),
+    # DRPO (arXiv 2510.04474): the DRPO authors' run_drpo_{1.5b,7b}_8k.sh: Lambda 0.1, tau 10, 1002 steps, AIME
+    # validation every 20 steps x 8 samples; otherwise the DisCO runs' values.
+    "drpo-r1qwen1.5b-1n8g-8k": _disco(QWEN_1_5B, 2e-6, 1002, "logl", 10.0, **DRPO),
+    "drpo-r1qwen7b-2n8g-8k": _disco(QWEN_7B, 1e-6, 1002, "logl", 10.0, nodes=2, **DRPO),
     # GRPO: KL regulariser 0.001 (paper §6), clip 0.2.
     "grpo-r1qwen1.5b-1n8g-8k": _baseline("grpo", **{"loss.kl_coef": 0.001, "loss.clip_eps": 0.2}),
     "dr-grpo-r1qwen1.5b-1n8g-8k": _baseline("dr_grpo", **{"loss.kl_coef": 0.0, "loss.clip_eps": 0.2}),
@@ -196,7 +209,7 @@ PAPER_RECIPES = sorted(
 )
 # <algo>-<score>-<model>-<N>n<G>g-<maxlen>[-variant]; baselines have no score.
 NAME = re.compile(
-    r"^(disco|discob|grpo|dr-grpo|dapo|grpo-er|gpg|trpa)(-(logl|lratio))?-r1(qwen1\.5b|qwen7b|llama8b)-\d+n\d+g-\d+k\b"
+    r"^(disco|discob|drpo|grpo|dr-grpo|dapo|grpo-er|gpg|trpa)(-(logl|lratio))?-r1(qwen1\.5b|qwen7b|llama8b)-\d+n\d+g-\d+k\b"
 )
 
 
@@ -270,13 +283,13 @@ def test_recipe_form(name):
 @pytest.mark.parametrize("name", PAPER_RECIPES + sorted(FAMILY_EXPECTED))
 def test_recipe_sets_only_what_differs_from_the_exemplar(name):
     """Each value a recipe states differs from the exemplar's, except values that document a choice in place
-    (tau, clip_eps, a zero KL coefficient, overlong penalty, GPG's and TRPA's own keys, run_dir): restating those
-    keeps a recipe readable."""
+    (tau, clip_eps, a zero KL coefficient, overlong penalty, GPG's, TRPA's and DRPO's own keys, run_dir): restating
+    those keeps a recipe readable."""
     exemplar = config.load(RECIPES / "disco.yaml")
     raw = yaml.safe_load((RECIPES / f"{name}.yaml").read_text())
     restated_on_purpose = {"loss.tau", "loss.clip_eps", "loss.kl_coef", "algorithm.overlong_penalty"}
     restated_on_purpose |= {f"loss.{k}" for k in ("adv_std_norm", "alpha_correction", "token_norm")}
-    restated_on_purpose |= {f"loss.{k}" for k in ("trpa_beta", "trpa_anisotropy", "tr_kl_coef")}
+    restated_on_purpose |= {f"loss.{k}" for k in ("trpa_beta", "trpa_anisotropy", "tr_kl_coef", "drpo_lambda")}
     restated_on_purpose |= {"logging.run_dir"}
     same = []
     for section, values in raw.items():

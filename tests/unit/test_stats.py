@@ -10,8 +10,10 @@ from nemo_disco.stats import (
     mean_se,
     paired_bootstrap_pass_at_k,
     paired_difference,
+    paired_ratio_difference,
     pass_at_k,
     percentile_interval,
+    ratio_mean_se,
 )
 
 
@@ -38,6 +40,36 @@ def test_paired_difference_removes_shared_problem_variance():
     assert se < mean_se(after)[1]  # pairing removes the between-problem spread
     with pytest.raises(ValueError, match="same problems"):
         paired_difference([1.0], [1.0, 0.0])
+
+
+def test_ratio_mean_se_hand_computed():
+    # Wrong responses' lengths: problem 0 one of 20 tokens, problem 1 two of 30 and 50 -> R = 100 / 3.
+    # z = (total - R count) / 3: (20 - 100/3) / 3 = -40/9 and (80 - 200/3) / 3 = +40/9;
+    # se = sqrt(2 / 1 * 2 (40/9)^2) = 80/9 (the per-sample mean with problems as the units, not 3 independent samples).
+    mean, se = ratio_mean_se([20.0, 80.0], [1, 2])
+    assert mean == pytest.approx(100 / 3) and se == pytest.approx(80 / 9)
+    # Equal counts: the mean of the per-problem means and mean_se's standard error (means 15 and 40 -> se 12.5).
+    assert ratio_mean_se([30.0, 80.0], [2, 2]) == (pytest.approx(27.5), pytest.approx(12.5))
+    assert ratio_mean_se([30.0, 80.0], [2, 2])[1] == pytest.approx(mean_se([15.0, 40.0])[1])
+    # A problem without such a sample counts 0 and still is a unit: totals [10, 0], counts [1, 0] -> 10 +- 0.
+    assert ratio_mean_se([10.0, 0.0], [1, 0]) == (10.0, 0.0)
+    assert ratio_mean_se([7.0], [2]) == (3.5, 0.0)
+    with pytest.raises(ValueError, match="no sample counted"):
+        ratio_mean_se([0.0, 0.0], [0, 0])
+
+
+def test_paired_ratio_difference_hand_computed():
+    # All responses, 2 samples per problem: A totals 30, 80 (means 15, 40), B totals 26, 80 (means 13, 40):
+    # R_a - R_b = 27.5 - 26.5 = 1; per-problem differences 2, 0 -> se sqrt(2 / 2) = 1 (paired_difference's).
+    diff, se = paired_ratio_difference([30.0, 80.0], [2, 2], [26.0, 80.0], [2, 2])
+    assert (diff, se) == (pytest.approx(1.0), pytest.approx(1.0))
+    assert paired_difference([15.0, 40.0], [13.0, 40.0]) == (pytest.approx(1.0), pytest.approx(1.0))
+    # Correct responses: A totals 10, 0 of counts 1, 0 (R 10), B 26, 40 of 2, 1 (R 22): z_a = 0, 0;
+    # z_b = (26 - 44) / 3, (40 - 22) / 3 = -6, 6 -> z = 6, -6; se = sqrt(2 * 72) = 12.
+    diff, se = paired_ratio_difference([10.0, 0.0], [1, 0], [26.0, 40.0], [2, 1])
+    assert (diff, se) == (pytest.approx(-12.0), pytest.approx(12.0))
+    with pytest.raises(ValueError, match="same problems"):
+        paired_ratio_difference([1.0], [1], [1.0, 2.0], [1, 1])
 
 
 def test_mean_sd_and_combined_se_hand_computed():

@@ -212,7 +212,7 @@ def test_disco_takes_one_pass_at_the_first_update_only_and_that_is_where_it_is_e
 def test_divisor_valid_with_weights_keeps_two_passes():
     pol, batch, threshold = case()
     hp = {"divisor": "valid", "positive_threshold": threshold}
-    for name in ("disco", "discob", "grpo_rw"):
+    for name in ("disco", "discob", "drpo", "grpo_rw"):
         fn = losses.get_loss(name, **hp)
         policy = TinyModelPolicy(pol, "1mb")
         args = (policy, fn, batch, batch, slice(0, len(batch)))
