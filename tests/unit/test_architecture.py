@@ -1,0 +1,121 @@
+"""The import rules of docs/architecture.md: layers, no cycles, losses free of the package."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "nemo_disco"
+
+#: docs/architecture.md's table: a module (or a package's modules) and its layer.
+LAYERS = {
+    **dict.fromkeys(["losses", "batch", "stats", "files", "metrics", "distributed", "rewards"], 0),
+    **dict.fromkeys(["config", "weights", "watchdog"], 1),
+    **dict.fromkeys(["data", "policy", "generation", "checkpoint", "update"], 2),
+    "rollouts": 3,
+    **dict.fromkeys(["algorithm", "evaluate", "convert", "prepare", "tiny"], 4),
+    "cli": 5,
+}
+
+
+def _module_name(path: Path, root: Path = PACKAGE) -> str:
+    parts = path.relative_to(root.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, root: Path = PACKAGE) -> set[str]:
+    """Modules of the package that ``path`` imports, anywhere in the file (function-level imports too)."""
+    name = _module_name(path, root)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("nemo_disco")}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                module = f"{base}.{node.module}" if node.module else base
+            else:
+                module = node.module or ""
+            if not module.startswith("nemo_disco"):
+                continue
+            out.add(module)
+            # `from nemo_disco import rollouts` names a module, not a symbol of the package.
+            out |= {f"{module}.{a.name}" for a in node.names if _is_module(f"{module}.{a.name}", root)}
+    return out - {name}
+
+
+def _is_module(dotted: str, root: Path = PACKAGE) -> bool:
+    rel = Path(*dotted.split(".")[1:])
+    return (root / rel).with_suffix(".py").is_file() or (root / rel / "__init__.py").is_file()
+
+
+def _graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    graph = {_module_name(p, package): _imports(p, package) for p in sorted(package.rglob("*.py"))}
+    # The top-level package itself (``from nemo_disco import x``) is not a dependency: its __init__ imports nothing.
+    return {m: {d for d in deps if d in graph and d != "nemo_disco"} for m, deps in graph.items()}
+
+
+def _layer(module: str) -> int | None:
+    parts = module.split(".")
+    return LAYERS.get(parts[1]) if len(parts) > 1 else None
+
+
+def test_every_module_has_a_layer():
+    assert [m for m in _graph() if m != "nemo_disco" and _layer(m) is None] == []
+
+
+def _upward(graph: dict[str, set[str]]) -> list[str]:
+    return [
+        f"{m} (layer {_layer(m)}) imports {d} (layer {_layer(d)})"
+        for m, deps in graph.items()
+        for d in sorted(deps)
+        if _layer(m) is not None and _layer(d) is not None and _layer(d) > _layer(m)
+    ]
+
+
+def test_no_module_imports_a_higher_layer():
+    assert _upward(_graph()) == []
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+
+    def visit(m: str, path: list[str]) -> list[str] | None:
+        state[m] = 1
+        for d in sorted(graph[m]):
+            # A package's __init__ re-exports its modules: importing the package from one of them is not a cycle.
+            if m.startswith(d + "."):
+                continue
+            if state.get(d) == 1:
+                return [*path, m, d]
+            if d not in state and (found := visit(d, [*path, m])):
+                return found
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m, [])):
+            return found
+    return None
+
+
+def test_the_imports_form_no_cycle():
+    assert _cycle(_graph()) is None
+
+
+def test_losses_import_nothing_of_the_package():
+    assert _graph()["nemo_disco.losses"] == set()
+
+
+def test_the_checks_catch_each_violation(tmp_path):
+    # A package whose low module imports a high one, in a cycle: both checks must see it.
+    pkg = tmp_path / "nemo_disco"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "losses.py").write_text("def f():\n    from nemo_disco import cli\n")
+    (pkg / "cli.py").write_text("from nemo_disco.losses import f\n")
+    graph = _graph(pkg)
+    assert graph["nemo_disco.losses"] == {"nemo_disco.cli"}
+    assert _upward(graph) == ["nemo_disco.losses (layer 0) imports nemo_disco.cli (layer 5)"]
+    assert _cycle(graph) == ["nemo_disco.cli", "nemo_disco.losses", "nemo_disco.cli"]
