@@ -902,6 +902,33 @@ def write_comparison(comparison: Comparison, out_dir: str | os.PathLike) -> Path
 # pass@k against k
 
 
+def _benchmark_panels(
+    what: str, summaries: Sequence[EvalSummary], labels: Sequence[str], benchmarks: Sequence[str] | None
+) -> tuple[list[str], Any, Any]:
+    """The panels (benchmarks, then the average when there are several), a figure and its axes grid.
+
+    Raises:
+        ValueError: no results, labels of another length, or a requested benchmark no result has.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not summaries or len(summaries) != len(labels):
+        raise ValueError(f"{what} needs one label per result ({len(summaries)} results, {len(labels)} labels)")
+    present = list(dict.fromkeys(r.benchmark for s in summaries for r in s.rows))
+    names = list(benchmarks) if benchmarks else present
+    missing = [b for b in names if b not in present]
+    if missing:
+        raise ValueError(f"no result has benchmark(s) {', '.join(missing)} (they have {', '.join(present)})")
+    panels = names + (["average"] if len(names) > 1 else [])
+    cols = min(3, len(panels))
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.4 * rows), squeeze=False)
+    return panels, fig, axes
+
+
 def plot_pass_at_k(
     summaries: Sequence[EvalSummary],
     labels: Sequence[str],
@@ -916,22 +943,7 @@ def plot_pass_at_k(
     Raises:
         ValueError: no results, labels of another length, or a requested benchmark no result has.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    if not summaries or len(summaries) != len(labels):
-        raise ValueError(f"plot_pass_at_k needs one label per result ({len(summaries)} results, {len(labels)} labels)")
-    present = list(dict.fromkeys(r.benchmark for s in summaries for r in s.rows))
-    names = list(benchmarks) if benchmarks else present
-    missing = [b for b in names if b not in present]
-    if missing:
-        raise ValueError(f"no result has benchmark(s) {', '.join(missing)} (they have {', '.join(present)})")
-    panels = names + (["average"] if len(names) > 1 else [])
-    cols = min(3, len(panels))
-    rows = math.ceil(len(panels) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.4 * rows), squeeze=False)
+    panels, fig, axes = _benchmark_panels("plot_pass_at_k", summaries, labels, benchmarks)
     for ax, bench in zip(axes.flat, panels, strict=False):
         for s, label in zip(summaries, labels, strict=True):
             if bench == "average":
@@ -975,27 +987,13 @@ def plot_length_accuracy(
         ValueError: no results, labels of another length, a requested benchmark no result has, or a result without
             response lengths (records lacking ``response_tokens``).
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    if not summaries or len(summaries) != len(labels):
-        raise ValueError(
-            f"plot_length_accuracy needs one label per result ({len(summaries)} results, {len(labels)} labels)"
-        )
-    present = list(dict.fromkeys(r.benchmark for s in summaries for r in s.rows))
-    names = list(benchmarks) if benchmarks else present
-    missing = [b for b in names if b not in present]
-    if missing:
-        raise ValueError(f"no result has benchmark(s) {', '.join(missing)} (they have {', '.join(present)})")
+    panels, fig, axes = _benchmark_panels("plot_length_accuracy", summaries, labels, benchmarks)
     for s, label in zip(summaries, labels, strict=True):
         if not any("length" in r.lengths for r in s.rows):
+            import matplotlib.pyplot as plt
+
+            plt.close(fig)
             raise ValueError(f"result {label} has no response lengths (its records lack response_tokens)")
-    panels = names + (["average"] if len(names) > 1 else [])
-    cols = min(3, len(panels))
-    rows = math.ceil(len(panels) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.4 * rows), squeeze=False)
     for ax, bench in zip(axes.flat, panels, strict=False):
         for s, label in zip(summaries, labels, strict=True):
             if bench == "average":
