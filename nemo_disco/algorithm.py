@@ -42,6 +42,7 @@ Launch::
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -385,7 +386,7 @@ def train_step(tr: Trainer) -> dict[str, float]:
                         policy, loss, full_mb, local_mb, dp_rows, first_update=False, correction=correction
                     )
                 )
-                plans.append(f"update {m}: {pl.passes} pass{'es' if pl.passes > 1 else ''} ({pl.why})")
+                plans.append(f"{pl.passes} pass{'es' if pl.passes > 1 else ''} ({pl.why})")  # update m's
                 one_pass += pl.passes == 1
                 one_pass_first = m == 0 and pl.passes == 1
                 mb = update.Minibatch(
@@ -432,14 +433,12 @@ def train_step(tr: Trainer) -> dict[str, float]:
 
 
 def _plan_lines(plans: list[str]) -> list[str]:
-    """The update plans of a step, one line per run of equal plans (``update 0: ...``, ``updates 1-3: ...``)."""
-    lines, start = [], 0
-    bodies = [p.split(": ", 1)[1] for p in plans]
-    for m in range(1, len(plans) + 1):
-        if m == len(plans) or bodies[m] != bodies[start]:
-            which = f"update {start}" if m - start == 1 else f"updates {start}-{m - 1}"
-            lines.append(f"{which}: {bodies[start]}")
-            start = m
+    """The update plans of a step (update m's at index m), one line per run of equal plans (``updates 1-3: ...``)."""
+    lines, m = [], 0
+    for plan, run in itertools.groupby(plans):
+        n = len(list(run))
+        lines.append(f"{f'update {m}' if n == 1 else f'updates {m}-{m + n - 1}'}: {plan}")
+        m += n
     return lines
 
 

@@ -90,6 +90,6 @@ def test_step_metrics_report_the_length_of_correct_and_of_wrong_rollouts():
 def test_update_plans_are_logged_one_line_per_run_of_equal_plans():
     from nemo_disco.algorithm import _plan_lines
 
-    plans = ["update 0: 1 pass (a)", "update 1: 2 passes (b)", "update 2: 2 passes (b)", "update 3: 1 pass (a)"]
+    plans = ["1 pass (a)", "2 passes (b)", "2 passes (b)", "1 pass (a)"]
     assert _plan_lines(plans) == ["update 0: 1 pass (a)", "updates 1-2: 2 passes (b)", "update 3: 1 pass (a)"]
     assert _plan_lines(plans[:1]) == ["update 0: 1 pass (a)"]
