@@ -55,7 +55,7 @@ from typing import Any
 
 import torch
 
-from nemo_disco import checkpoint, data, distributed, losses, rollouts, stats, update, watchdog, weights
+from nemo_disco import checkpoint, data, distributed, hooks, losses, rollouts, stats, update, watchdog, weights
 from nemo_disco import config as config_lib
 from nemo_disco.batch import QuestionRollouts, RolloutBatch, collate_questions
 from nemo_disco.config import ConfigError, RunConfig
@@ -361,6 +361,7 @@ def train_step(tr: Trainer) -> dict[str, float]:
                 old_local[skip:], ent_local[skip:] = lp, ent
             ref_local = _reference_logprobs(tr, local)
         local = local.with_(old_logprobs=old_local, ref_logprobs=ref_local)
+        hooks.point("old_logprobs", step=tr.step + 1)
         old = _gather_rows(old_local, policy, num_mb)  # rows of a one-pass first mini-batch: 0 until it ran
         weights, _ = losses.rollout_weights(
             old,

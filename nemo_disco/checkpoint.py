@@ -42,7 +42,7 @@ import torch
 import yaml
 
 from nemo_disco import config as config_lib
-from nemo_disco import distributed
+from nemo_disco import distributed, hooks
 from nemo_disco.config import RunConfig
 from nemo_disco.policy.base import Policy
 
@@ -333,6 +333,7 @@ def save(
             tmp.mkdir()
         distributed.barrier()
         policy.save(tmp / "policy")
+        hooks.point("checkpoint_written", step=step, directory=tmp)
         distributed.barrier()
         if distributed.rank() == 0:
             config_lib.save(cfg, tmp / "config.yaml")

@@ -30,9 +30,10 @@ def _train(args: argparse.Namespace) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(config_lib.to_yaml(cfg), end="")
         return 0
-    from nemo_disco import files
+    from nemo_disco import files, hooks
 
     files.check_writable(cfg.logging.run_dir, "logging.run_dir", create=False)  # created once the sources load
+    hooks.installed()  # a NEMO_DISCO_HOOKS that does not load: one line now, not a traceback at the first point
     _check_sources(cfg)
     from nemo_disco import algorithm, checkpoint
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from nemo_disco import distributed
+from nemo_disco import distributed, hooks
 from nemo_disco.batch import QuestionRollouts
 from nemo_disco.config import RunConfig
 from nemo_disco.data import PromptSampler
@@ -214,6 +214,7 @@ def step_rollouts(
         step: the training step (1-based): it fixes the sampling seeds.
         collect: :meth:`Rollouter.collect` (tests pass their own).
     """
+    hooks.point("rollouts", step=step)
     collect = collect or ro.collect
     cfg = ro.cfg
     need = cfg.algorithm.prompts_per_step

@@ -13,14 +13,17 @@ from procs import THREADS
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "tiny-cpu.yaml"
 INJECT = Path(__file__).resolve().parent / "inject"
+#: The environment that installs inject/faults.py as a hook of nemo_disco.hooks (the fault itself: NEMO_DISCO_FAULT).
+INJECTOR = {"PYTHONPATH": str(INJECT), "NEMO_DISCO_HOOKS": "faults:hook"}
 
 
 def trainer_env(fault: str | None = None, once: Path | None = None) -> dict[str, str]:
-    """The trainer's environment: same threads everywhere, the fault injector on PYTHONPATH, the fault if any."""
+    """The trainer's environment: same threads everywhere, the fault injector installed as a hook, the fault if any."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NEMO_DISCO_FAULT", "SLURM_"))}
     env.update(THREADS)
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(INJECT), env.get("PYTHONPATH", "")) if p)
+    env["NEMO_DISCO_HOOKS"] = INJECTOR["NEMO_DISCO_HOOKS"]
     if fault:
         env["NEMO_DISCO_FAULT"] = fault
     if once:

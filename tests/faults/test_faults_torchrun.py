@@ -1,10 +1,11 @@
 """Fault injection under torchrun (2 gloo ranks, the real trainer): hangs, dead, frozen ranks, kills mid-save.
 
-Each fault (tests/faults/inject/sitecustomize.py) fires at step 3 (or while checkpoint step_4 is written) of a
-4-step run that saves every 2 steps, with ``cluster.step_timeout_s=15``: phase limits max(15 s, 2 x the slowest),
-silence limit max(5, 15 / 4) = 5 s, heartbeat 0.5 s. Each test asserts the detection time against its bound,
-every rank's exit code, the message naming the cause, that no partial checkpoint became the newest, and that the
-next start resumes from step_2 and ends with the metrics of the uninterrupted run (every non-timing key, exactly).
+Each fault (tests/faults/inject/faults.py, a hook of nemo_disco.hooks) fires at step 3 (or as checkpoint step_4 is
+written) of a 4-step run that saves every 2 steps, with ``cluster.step_timeout_s=15``: phase limits max(15 s,
+2 x the slowest), silence limit max(5, 15 / 4) = 5 s, heartbeat 0.5 s. Each test asserts the detection time against
+its bound, every rank's exit code, the message naming the cause, that no partial checkpoint became the newest, and
+that the next start resumes from step_2 and ends with the metrics of the uninterrupted run (every non-timing key,
+exactly).
 
 Measured figures (docs/reliability.md) are printed with ``-s``.
 """

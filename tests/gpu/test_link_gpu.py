@@ -1,6 +1,6 @@
 """The trainer-generator weight stream over NCCL, between the GPUs of two processes (needs 2 GPUs).
 
-The CPU suite (tests/distributed/test_weight_link.py) streams over gloo. On a CUDA machine the same job sends
+The CPU suite (tests/distributed/test_rollouts_remote.py) streams over gloo. On a CUDA machine the same job sends
 its weight buffers over the link's NCCL group instead (``Link.weights_device`` is the process's GPU): this runs
 that job with the trainer on GPU 0 and the generator on GPU 1 and asserts the same bit-for-bit equality.
 """
@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 
-import test_weight_link as link_test  # noqa: E402
+import test_rollouts_remote as link_test  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,

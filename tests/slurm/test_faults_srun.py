@@ -1,8 +1,8 @@
 """Fault injection through slurm/train.sbatch on the two-node test cluster (srun, 2 nodes x 1 gloo rank).
 
-Faults (tests/faults/inject/sitecustomize.py) fire on rank 1, the rank of the second node, at step 3 of a 4-step
-run that saves every 2 steps (``cluster.step_timeout_s=15``: phase limit max(15 s, 2 x the slowest step), silence
-limit 5 s):
+Faults (tests/faults/inject/faults.py, a hook of nemo_disco.hooks) fire on rank 1, the rank of the second node, at
+step 3 of a 4-step run that saves every 2 steps (``cluster.step_timeout_s=15``: phase limit max(15 s, 2 x the
+slowest step), silence limit 5 s):
 
 - a hang: both ranks write their stacks and exit 4, the script requeues the job, the requeued job (restart 1)
   resumes from step_2 and ends with the uninterrupted run's metrics; with ``NEMO_DISCO_MAX_REQUEUES=1`` a hang
@@ -24,7 +24,7 @@ import pytest
 from procs import FAST_TINY, THREADS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "faults"))
-from faultlib import INJECT, comparable, fault_time, message, metrics  # noqa: E402
+from faultlib import INJECTOR, comparable, fault_time, message, metrics  # noqa: E402
 
 from nemo_disco import watchdog  # noqa: E402
 
@@ -41,7 +41,7 @@ BEAT_S = SILENCE_S / watchdog.BEATS_PER_SILENCE
 def _submit(cluster, job_dir: Path, run_dir: Path, **env: str) -> tuple[int, Path]:
     log = job_dir / "logs" / "train-%j.out"
     args = [f"--output={log}", "--nodes=2", str(TRAIN), str(RECIPE), f"logging.run_dir={run_dir}", *TINY]
-    job = cluster.sbatch(args, cwd=job_dir, env={**THREADS, "PYTHONPATH": str(INJECT), **env})
+    job = cluster.sbatch(args, cwd=job_dir, env={**THREADS, **INJECTOR, **env})
     return job, job_dir / "logs" / f"train-{job}.out"
 
 

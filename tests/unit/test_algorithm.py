@@ -93,3 +93,103 @@ def test_update_plans_are_logged_one_line_per_run_of_equal_plans():
     plans = ["1 pass (a)", "2 passes (b)", "2 passes (b)", "1 pass (a)"]
     assert _plan_lines(plans) == ["update 0: 1 pass (a)", "updates 1-2: 2 passes (b)", "update 3: 1 pass (a)"]
     assert _plan_lines(plans[:1]) == ["update 0: 1 pass (a)"]
+
+
+class _FixedRollouts:
+    """A rollout source that hands out the same records every step (the generator is not under test here)."""
+
+    def __init__(self, records: list) -> None:
+        self.records, self.changes = records, 0
+
+    def next(self, step: int) -> tuple[list, dict[str, float]]:
+        return self.records, {"timing/generate": 0.0}
+
+    def weights_changed(self) -> None:
+        self.changes += 1
+
+
+def _step_case(tiny_qwen2, tmp_path, overrides: list[str]):
+    """A Trainer on the tiny Qwen2 whose 4 questions x 4 rollouts carry the policy's own log-probs as the
+    generator's: pi_old assembled by train_step must equal them wherever each mini-batch's log-probs came from."""
+    from nemo_disco import distributed, losses
+    from nemo_disco.algorithm import Trainer
+    from nemo_disco.batch import QuestionRollouts, collate_questions
+    from nemo_disco.metrics import MetricsLogger
+
+    cfg = config.load(
+        config.Path(__file__).resolve().parents[2] / "recipes" / "tiny-cpu.yaml",
+        [
+            f"policy.model_path={tiny_qwen2}",
+            "algorithm.prompts_per_step=4",
+            "algorithm.rollouts_per_prompt=4",
+            f"logging.run_dir={tmp_path}",
+            *overrides,
+        ],
+    )
+    policy = HFPolicy.from_run_config(cfg, tiny_qwen2)
+    gen = torch.Generator().manual_seed(3)
+    records = []
+    for q in range(4):
+        responses = [torch.randint(5, 20, (int(n),), generator=gen).tolist() for n in torch.randint(3, 8, (4,))]
+        rewards = [float(r) for r in torch.randint(0, 2, (4,), generator=gen)]
+        rewards[q % 4] = 1.0 - rewards[(q + 1) % 4]  # every question has a right and a wrong rollout
+        records.append(
+            QuestionRollouts(q, [7, 8, 9 + q], responses, [[0.0] * len(r) for r in responses], ["stop"] * 4, rewards)
+        )
+    batch = collate_questions(records, pad_id=0)
+    own, _ = policy.logprobs(batch)
+    for i, rec in enumerate(records):
+        for g, resp in enumerate(rec.responses):
+            rec.logprobs[g] = own[4 * i + g, : len(resp)].tolist()
+    tokenizer = type("Tok", (), {"pad_token_id": 0})()
+    logger = MetricsLogger(
+        tmp_path,
+        enabled=True,
+        tensorboard=False,
+        wandb=False,
+        wandb_project="",
+        total_steps=1,
+        start_step=0,
+        progress=False,
+        terminal=False,
+    )
+    env = distributed.DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0)
+    tr = Trainer(
+        cfg=cfg,
+        env=env,
+        run_dir=tmp_path,
+        model_dir=tiny_qwen2,
+        tokenizer=tokenizer,
+        policy=policy,
+        rollouts=_FixedRollouts(records),
+        logger=logger,
+        loss=losses.get_loss(cfg.loss.name, **config.loss_kwargs(cfg)),
+    )
+    return tr, [p.detach().clone() for p in policy.model.parameters()]
+
+
+@pytest.mark.parametrize(
+    ("minibatch_prompts", "forwards", "one_pass"),
+    [
+        (4, 1.0, 1.0),  # one update: one pass makes pi_old and the gradient together (F + B)
+        (2, 2.0, 1.0),  # first: one pass on half the batch; pi_old of the other half; second update: two passes
+    ],
+)
+def test_train_step_runs_each_minibatch_by_its_plan_and_assembles_pi_old(
+    tiny_qwen2, tmp_path, capsys, minibatch_prompts, forwards, one_pass
+):
+    from nemo_disco.algorithm import train_step
+
+    tr, before = _step_case(tiny_qwen2, tmp_path, [f"algorithm.minibatch_prompts={minibatch_prompts}"])
+    metrics = train_step(tr)
+    # pi_old of every row, from the one-pass update or from the no-grad forward, is the policy's own log-prob.
+    assert metrics["mismatch/max_abs_logprob_diff"] < 1e-5
+    assert metrics["update/forward_passes"] == forwards and metrics["update/one_pass_updates"] == one_pass
+    assert tr.rollouts.changes == 4 // minibatch_prompts  # the generator hears of each update
+    assert any(not torch.equal(a, b.detach()) for a, b in zip(before, tr.policy.model.parameters(), strict=True))
+    assert metrics["train/reward_mean"] == sum(sum(r.rewards) for r in tr.rollouts.records) / 16
+    out = capsys.readouterr().out
+    assert "step 1: update 0: 1 pass (loss disco couples a question's rollouts at the first update" in out
+    if minibatch_prompts == 2:  # the trust region's KL couples the whole mini-batch once the weights have moved
+        assert "step 1: update 1: 2 passes (loss disco couples the whole mini-batch at a later update)" in out
+    assert tr.step == 0  # the caller counts steps

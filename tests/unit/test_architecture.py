@@ -15,6 +15,7 @@ LAYERS = {
     "rollouts": 3,
     **dict.fromkeys(["algorithm", "evaluate", "convert", "prepare", "tiny"], 4),
     "cli": 5,
+    "hooks": 0,
 }
 
 
@@ -119,3 +120,34 @@ def test_the_checks_catch_each_violation(tmp_path):
     assert graph["nemo_disco.losses"] == {"nemo_disco.cli"}
     assert _upward(graph) == ["nemo_disco.losses (layer 0) imports nemo_disco.cli (layer 5)"]
     assert _cycle(graph) == ["nemo_disco.cli", "nemo_disco.losses", "nemo_disco.cli"]
+
+
+def _test_file(module: Path, root: Path = PACKAGE) -> str:
+    """``nemo_disco/a/b.py`` -> ``test_a_b.py``: the name of the test file that must exist for a module."""
+    return "test_" + "_".join(module.relative_to(root).with_suffix("").parts) + ".py"
+
+
+def _untested(root: Path = PACKAGE, tests: Path = PACKAGE.parent / "tests") -> list[str]:
+    have = {p.name for p in tests.glob("*/test_*.py")}
+    modules = sorted(p for p in root.rglob("*.py") if p.name != "__init__.py")
+    return [
+        f"{m.relative_to(root.parent)} (no tests/<suite>/{_test_file(m, root)})"
+        for m in modules
+        if _test_file(m, root) not in have
+    ]
+
+
+def test_every_module_has_a_test_file_named_after_it():
+    # docs/architecture.md: nemo_disco/<package>/<module>.py is tested in tests/<suite>/test_<package>_<module>.py
+    assert _untested() == []
+
+
+def test_the_mirror_check_sees_a_module_without_tests(tmp_path):
+    (tmp_path / "nemo_disco" / "policy").mkdir(parents=True)
+    for name in ("__init__.py", "batch.py", "policy/__init__.py", "policy/hf.py"):
+        (tmp_path / "nemo_disco" / name).write_text("")
+    (tmp_path / "tests" / "unit").mkdir(parents=True)
+    (tmp_path / "tests" / "unit" / "test_batch.py").write_text("")
+    assert _untested(tmp_path / "nemo_disco", tmp_path / "tests") == [
+        "nemo_disco/policy/hf.py (no tests/<suite>/test_policy_hf.py)"
+    ]

@@ -14,7 +14,7 @@ by a trainer model of its own dtype). Also: a stream with an unknown tensor name
 every generator rank with a ValueError naming it, generation is refused until a complete refit, and the next
 complete stream makes the weights equal again.
 
-This file is also the worker: ``python test_weight_link.py --worker MODEL_DIR OUT_DIR``.
+This file is also the worker: ``python test_rollouts_remote.py --worker MODEL_DIR OUT_DIR``.
 """
 
 from __future__ import annotations

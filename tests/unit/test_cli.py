@@ -1,4 +1,5 @@
-"""The demo's end-of-run summary: held-out pass@1 before and after RL, the paired gain, their standard errors."""
+"""The command line (:mod:`nemo_disco.cli`): the demo's end-of-run summary (held-out pass@1 before and after RL, the
+paired gain, their standard errors), `--version`, the help texts and the one-line errors of each subcommand."""
 
 from __future__ import annotations
 
