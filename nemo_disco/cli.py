@@ -108,7 +108,7 @@ def _check_sources(cfg: config_lib.RunConfig) -> None:
     ``policy.model_path``; each failure is one line naming the source and what was tried.
     """
     from nemo_disco.data import data_kwargs, load_problems
-    from nemo_disco.evaluate import check_model
+    from nemo_disco.models import check_model
 
     if cfg.policy.model_path is not None:
         check_model(cfg.policy.model_path)

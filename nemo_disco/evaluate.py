@@ -55,12 +55,12 @@ from nemo_disco.data import (
     BENCHMARKS,
     DEFAULT_TEMPLATE,
     encode_prompts,
-    hub_tried,
     load_problems,
     quiet_hub_logs,
     resolve_benchmark,
 )
 from nemo_disco.generation.factory import build_generator, stop_token_ids
+from nemo_disco.models import check_model
 from nemo_disco.stats import DEFAULT_CONFIDENCE, DEFAULT_REPLICATES, pass_at_k
 
 logger = logging.getLogger(__name__)
@@ -74,7 +74,6 @@ __all__ = [
     "EvalSummary",
     "RunsSummary",
     "aggregate_runs",
-    "check_model",
     "compare_results",
     "evaluate_model",
     "grade_responses_file",
@@ -1188,53 +1187,6 @@ def grade_responses_file(
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Generating and grading
-
-
-_CONFIG_FILE = "config.json"
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-_WEIGHT_GLOBS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json")
-
-
-def check_model(model: str | os.PathLike) -> str:
-    """Check that a model can be loaded: a Hugging Face folder with config, tokenizer and weights, or a hub id.
-
-    A hub id (``owner/name`` or ``name``, not a path that exists) is checked by loading its tokenizer (which
-    caches it); a folder is checked for its files without loading anything.
-
-    Returns:
-        ``model`` as a string.
-
-    Raises:
-        FileNotFoundError: no such folder, and not a hub id.
-        ValueError: the folder lacks config, tokenizer or weights; the hub id cannot be loaded. One line each,
-            naming the model and what was tried.
-    """
-    text = str(model)
-    path = Path(model).expanduser()
-    if path.is_dir():
-        if not (path / _CONFIG_FILE).is_file():
-            raise ValueError(f"model folder {path} has no {_CONFIG_FILE}: not a Hugging Face model folder")
-        if not any((path / f).is_file() for f in _TOKENIZER_FILES):
-            raise ValueError(f"model folder {path} has no tokenizer files (looked for {', '.join(_TOKENIZER_FILES)})")
-        if not any(any(path.glob(g)) for g in _WEIGHT_GLOBS):
-            raise ValueError(f"model folder {path} has no weights (looked for {', '.join(_WEIGHT_GLOBS)})")
-        return text
-    if path.exists():
-        raise ValueError(f"model {path} is a file; expected a Hugging Face model folder")
-    if path.is_absolute() or text.startswith((".", "~")) or text.count("/") > 1:
-        raise FileNotFoundError(f"model folder not found: {path} (and not an owner/name hub id)")
-    from transformers import AutoTokenizer
-
-    try:
-        with quiet_hub_logs():
-            AutoTokenizer.from_pretrained(text)
-    except Exception as err:  # missing repo, no network, no tokenizer: one line
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ValueError(
-            f"cannot load model {text!r}: no folder {path.resolve()}; tried the Hugging Face hub through "
-            f"{hub_tried()}: {type(err).__name__}: {first}"
-        ) from None
-    return text
 
 
 EVAL_PARTIAL = "partial"
