@@ -108,7 +108,7 @@ def _check_sources(cfg: config_lib.RunConfig) -> None:
     ``policy.model_path``; each failure is one line naming the source and what was tried.
     """
     from nemo_disco.data import data_kwargs, load_problems
-    from nemo_disco.evaluate import check_model
+    from nemo_disco.models import check_model
 
     if cfg.policy.model_path is not None:
         check_model(cfg.policy.model_path)
@@ -152,7 +152,7 @@ def _report(cfg: config_lib.RunConfig) -> None:
 
 def _labels(text: str | None, paths: list[str]) -> list[str]:
     """Comma-separated labels, or the result folders' names (made unique)."""
-    from nemo_disco.evaluate import result_label
+    from nemo_disco.evaluation.records import result_label
 
     if text:
         labels = text.split(",")
@@ -222,19 +222,21 @@ def _plot(args: argparse.Namespace) -> int:
     if args.pass_at_k and args.length_accuracy:
         raise UserError("plot takes --pass-at-k or --length-accuracy, not both")
     if args.pass_at_k or args.length_accuracy:
-        from nemo_disco import evaluate
+        from nemo_disco.evaluation.plots import plot_length_accuracy, plot_pass_at_k
+        from nemo_disco.evaluation.records import load_results
+        from nemo_disco.evaluation.summary import summarize
 
         labels = _labels(args.labels, args.runs)
         benchmarks = _names(args.benchmarks) if args.benchmarks else None
         out = args.out or ("pass_at_k.png" if args.pass_at_k else "length_accuracy.png")
         files.check_writable_file(out, "plot")
         kwargs = _bootstrap_kwargs(args) if args.pass_at_k else {"replicates": 0}  # the length plot shows se only
-        summaries = [evaluate.summarize(evaluate.load_results(r), **kwargs) for r in args.runs]
+        summaries = [summarize(load_results(r), **kwargs) for r in args.runs]
         if args.pass_at_k:
-            print(evaluate.plot_pass_at_k(summaries, labels, out, benchmarks=benchmarks))
+            print(plot_pass_at_k(summaries, labels, out, benchmarks=benchmarks))
             return 0
         try:
-            print(evaluate.plot_length_accuracy(summaries, labels, out, benchmarks=benchmarks))
+            print(plot_length_accuracy(summaries, labels, out, benchmarks=benchmarks))
         except ValueError as err:
             raise UserError(str(err)) from None
         return 0
@@ -265,7 +267,8 @@ def _names(text: str) -> list[str]:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from nemo_disco import evaluate, files
+    from nemo_disco import files
+    from nemo_disco.evaluation import compare, records, run
 
     benchmarks = _names(args.benchmarks)
     if args.responses and args.model:
@@ -277,7 +280,7 @@ def _eval(args: argparse.Namespace) -> int:
         for path, label in zip(args.responses, labels, strict=True):
             out_dir = args.out if len(args.responses) == 1 else str(Path(args.out) / label)
             runs.append(
-                evaluate.grade_responses_file(
+                records.grade_responses_file(
                     path,
                     benchmarks,
                     grader=args.grader,
@@ -291,14 +294,14 @@ def _eval(args: argparse.Namespace) -> int:
         if len(runs) == 1:
             print(runs[0])
             return 0
-        across = evaluate.aggregate_runs(runs, labels)
-        evaluate.write_runs(across, args.out)
+        across = compare.aggregate_runs(runs, labels)
+        records.write_runs(across, args.out)
         print(across)
         folders = ", ".join(str(Path(args.out) / label) for label in labels)
         print(f"per-run tables in {folders}; runs.md, runs.csv, runs.json in {args.out}")
         return 0
     if args.model:
-        table = evaluate.evaluate_model(
+        table = run.evaluate_model(
             args.model,
             benchmarks,
             samples=args.samples,
@@ -325,7 +328,7 @@ def _eval(args: argparse.Namespace) -> int:
         )
         if table is not None:  # process 0 of a data-parallel evaluation
             print(table)
-            print(f"results: {Path(args.out) / evaluate.RESPONSES_FILE} and summary.{{md,csv,json}} beside it")
+            print(f"results: {Path(args.out) / records.RESPONSES_FILE} and summary.{{md,csv,json}} beside it")
         return 0
     raise UserError("eval needs --model HF_DIR or --responses RESULTS...")
 
@@ -344,7 +347,7 @@ def _chat_template_kwargs(text: str | None) -> dict:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from nemo_disco import evaluate
+    from nemo_disco.evaluation import compare, records
 
     labels = _labels(args.labels, [args.results_a, args.results_b])
     try:
@@ -353,16 +356,16 @@ def _compare(args: argparse.Namespace) -> int:
         raise UserError(f"--k {args.k!r}: expected comma-separated integers") from None
     if not ks or min(ks) < 1:
         raise UserError(f"--k {args.k!r}: expected k >= 1")
-    comparison = evaluate.compare_results(
-        evaluate.load_results(args.results_a),
-        evaluate.load_results(args.results_b),
+    comparison = compare.compare_results(
+        records.load_results(args.results_a),
+        records.load_results(args.results_b),
         ks=ks,
         labels=(labels[0], labels[1]),
         **_bootstrap_kwargs(args),
     )
     print(comparison)
     if args.out:
-        print(f"wrote {evaluate.write_comparison(comparison, args.out)} (and comparison.csv, comparison.json)")
+        print(f"wrote {records.write_comparison(comparison, args.out)} (and comparison.csv, comparison.json)")
     return 0
 
 

@@ -58,7 +58,7 @@ def test_convert_hf_to_megatron_and_back(slurm_cluster, job_dir, tiny_qwen2):
     assert all(torch.equal(original[k], converted[k]) for k in shared)
 
 
-@_missing("nemo_disco.evaluate", "eval")
+@_missing("nemo_disco.evaluation.run", "eval")
 def test_eval_tiny_model_on_a_benchmark_file(slurm_cluster, job_dir, tiny_qwen2):
     bench = job_dir / "tinybench.json"
     bench.write_text(json.dumps([{"problem": f"{a}+{b}", "answer": str(a + b)} for a, b in [(1, 2), (3, 4), (5, 6)]]))

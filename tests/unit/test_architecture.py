@@ -11,9 +11,9 @@ PACKAGE = Path(__file__).resolve().parents[2] / "nemo_disco"
 LAYERS = {
     **dict.fromkeys(["losses", "batch", "stats", "files", "metrics", "distributed", "rewards"], 0),
     **dict.fromkeys(["config", "weights", "watchdog"], 1),
-    **dict.fromkeys(["data", "policy", "generation", "checkpoint", "update"], 2),
+    **dict.fromkeys(["data", "models", "policy", "generation", "checkpoint", "update"], 2),
     "rollouts": 3,
-    **dict.fromkeys(["algorithm", "evaluate", "convert", "prepare", "tiny"], 4),
+    **dict.fromkeys(["algorithm", "evaluation", "convert", "prepare", "tiny"], 4),
     "cli": 5,
     "hooks": 0,
 }

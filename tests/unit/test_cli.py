@@ -71,3 +71,37 @@ def test_a_run_from_a_given_model_writes_no_demo_json(tmp_path, capsys):
     cli._report(cfg)
     assert "gain: +0.250" in capsys.readouterr().out
     assert not (run / "demo.json").exists()
+
+
+def test_output_folders_that_cannot_be_written_fail_in_one_line(tiny_qwen2, tmp_path, capsys):
+    """Every command that writes: exit code 2 and one line naming the path, before any work.
+
+    Root ignores permission bits, so the unwritable place is below a regular file (ENOTDIR for everyone).
+    """
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("x")
+    bad = blocker / "out"
+    recipe = str(RECIPE)
+    commands = {
+        "train": ["train", "--config", recipe, f"logging.run_dir={bad}"],
+        "convert": ["convert", "--from-hf", str(tiny_qwen2), "--out", str(bad)],
+        "eval": ["eval", "--model", str(tiny_qwen2), "--backend", "hf", "--benchmarks", "aime", "--out", str(bad)],
+        "data prepare": ["data", "prepare", "deepscaler", "--out", str(bad / "d.jsonl")],
+        "plot": ["plot", str(tmp_path), "--out", str(bad / "curves.png")],
+    }
+    for name, argv in commands.items():
+        assert cli.main(argv) == 2, name
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"nemo-disco {name}: error: cannot write"), (name, err)
+        assert str(bad) in err[0] and str(blocker) in err[0], (name, err)
+
+
+def test_benchmark_lists_accept_spaces_and_version(tmp_path, capsys):
+    assert cli._names(" aime, math ,,amc") == ["aime", "math", "amc"]
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["--version"])
+    assert stop.value.code == 0 and capsys.readouterr().out.startswith("nemo-disco 0.")
+    help_text = cli.build_parser()._subparsers._group_actions[0].choices["eval"].format_help()
+    for flag in ("--samples", "--temperature", "--top-p", "--max-tokens", "--backend", "--grader", "--seed", "--out"):
+        assert flag in help_text
+    assert help_text.count("default:") >= 12

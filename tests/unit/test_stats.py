@@ -1,3 +1,4 @@
+import itertools
 import math
 
 import numpy as np
@@ -199,3 +200,22 @@ def test_paired_bootstrap_interval_covers_the_true_difference():
             covered[samples] += low <= -0.1 <= high
     assert 0.95 <= covered[True] / BENCHMARKS <= 1.0, covered
     assert 0.90 <= covered[False] / BENCHMARKS <= 0.98, covered
+
+
+def _brute_force(n: int, c: int, k: int) -> float:
+    """Share of the k-subsets of n samples (the first c correct) holding at least one correct sample."""
+    subsets = list(itertools.combinations(range(n), k))
+    return sum(any(i < c for i in s) for s in subsets) / len(subsets)
+
+
+def test_pass_at_k_matches_enumeration():
+    for n in range(1, 8):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                assert pass_at_k(n, c, k) == pytest.approx(_brute_force(n, c, k), abs=1e-12), (n, c, k)
+    assert pass_at_k(16, 3, 1) == pytest.approx(3 / 16)  # pass@1 = c / n
+    # Large n stays finite and exact where binomials would overflow floats: c = 1 of 10,000, k = 1.
+    assert pass_at_k(10_000, 1, 1) == pytest.approx(1e-4)
+    assert math.isfinite(pass_at_k(5000, 2500, 2000))
+    with pytest.raises(ValueError, match="1 <= k <= n"):
+        pass_at_k(4, 1, 5)

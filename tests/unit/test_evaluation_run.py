@@ -1,0 +1,125 @@
+"""Running an evaluation: end to end with the transformers generator, resumed after an interruption, chunk seeds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from nemo_disco.evaluation.records import RESPONSES_FILE, grade_responses_file
+from nemo_disco.evaluation.run import chunk_seed, evaluate_model
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# End to end with the transformers generator
+
+
+@pytest.mark.skipif(not (ROOT / "nemo_disco" / "generation" / "hf.py").is_file(), reason="HF generator not present")
+def test_evaluate_model_tiny_hf(tiny_qwen2, tmp_path):
+    bench = tmp_path / "arith.json"
+    bench.write_text(json.dumps([{"problem": "1+1", "answer": 2}, {"problem": "2+5", "answer": 7},
+                                 {"problem": "3+3", "answer": 6}]))  # fmt: skip
+    out = tmp_path / "eval"
+    summary = evaluate_model(
+        tiny_qwen2,
+        [str(bench)],
+        samples=2,
+        temperature=1.0,
+        top_p=1.0,
+        max_tokens=6,
+        backend="hf",
+        out_dir=out,
+        grader="math_verify",
+        seed=0,
+        max_problems=2,
+        template="{problem}=",
+        use_chat_template=True,
+        workers=1,
+    )
+    records = [json.loads(line) for line in (out / RESPONSES_FILE).read_text().splitlines()]
+    assert [(r["problem_index"], r["sample_index"]) for r in records] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(r["benchmark"] == "arith" and 1 <= r["response_tokens"] <= 6 for r in records)
+    assert {r["finish_reason"] for r in records} <= {"stop", "length"}
+    assert [(r.benchmark, r.problems, r.samples) for r in summary.rows] == [("arith", 2, 2)]
+    # The table on disk is the one re-grading the written file gives.
+    assert grade_responses_file(out / RESPONSES_FILE, [str(bench)], regrade=True, workers=1).to_dict() == (
+        summary.to_dict()
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Written as it goes: an interrupted evaluation continues
+
+
+class _StopAfter:
+    """The real HFGenerator, with Ctrl-C arriving during its generate call number ``stop_at`` (1-based)."""
+
+    def __init__(self, inner, stop_at: int | None = None) -> None:
+        self.inner, self.stop_at, self.calls = inner, stop_at, 0
+
+    def generate(self, prompt_token_ids, n, sampling):  # noqa: ANN001, ANN201
+        self.calls += 1
+        if self.calls == self.stop_at:
+            raise KeyboardInterrupt
+        return self.inner.generate(prompt_token_ids, n, sampling)
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _arith_bench(tmp_path):
+    bench = tmp_path / "arith.json"
+    rows = [{"problem": f"{a}+{b}", "answer": a + b} for a in range(1, 4) for b in range(1, 3)]  # 6 problems
+    bench.write_text(json.dumps(rows))
+    return bench
+
+
+def test_interrupted_evaluation_continues_to_the_uninterrupted_result(tiny_qwen2, tmp_path, capsys):
+    from nemo_disco.generation.hf import HFGenerator
+
+    bench = _arith_bench(tmp_path)
+    kwargs = dict(samples=2, temperature=1.0, top_p=1.0, max_tokens=6, backend="hf", template="{problem}=",
+                  workers=1, chunk_problems=2, replicates=50)  # fmt: skip
+    generator = HFGenerator(tiny_qwen2)
+    # 2 benchmarks x 3 chunks of 2 problems; Ctrl-C during the 4th chunk (the first of the second benchmark).
+    stopped = _StopAfter(generator, stop_at=4)
+    with pytest.raises(KeyboardInterrupt):
+        evaluate_model(tiny_qwen2, [str(bench), "aime"], out_dir=tmp_path / "resumed", generator=stopped,
+                       max_problems=6, **kwargs)  # fmt: skip
+    assert "interrupted: the responses written so far are kept in" in capsys.readouterr().err
+    partial = tmp_path / "resumed" / "partial"
+    written = [json.loads(line) for f in partial.glob("part-*.jsonl") for line in f.read_text().splitlines()]
+    assert len(written) == 3 * 2 * 2  # three whole chunks (2 problems x 2 samples each), nothing of the 4th
+    assert not (tmp_path / "resumed" / RESPONSES_FILE).exists()
+    # A cut-short last line (a kill in the middle of a write) is skipped, not fatal.
+    with (partial / "part-0.jsonl").open("a") as f:
+        f.write('{"benchmark": "aime", "problem_in')
+    # A rerun with other settings is refused in one line, naming the setting.
+    with pytest.raises(ValueError, match=r"holds an interrupted evaluation with samples=2 \(this command: 3\)"):
+        evaluate_model(tiny_qwen2, [str(bench), "aime"], out_dir=tmp_path / "resumed", generator=stopped,
+                       max_problems=6, **{**kwargs, "samples": 3})  # fmt: skip
+    counted = _StopAfter(generator)
+    resumed = evaluate_model(tiny_qwen2, [str(bench), "aime"], out_dir=tmp_path / "resumed", generator=counted,
+                             max_problems=6, **kwargs)  # fmt: skip
+    assert "resuming the evaluation in" in capsys.readouterr().err
+    assert counted.calls == 3  # only the 3 chunks not written before
+    plain = evaluate_model(tiny_qwen2, [str(bench), "aime"], out_dir=tmp_path / "plain",
+                           generator=_StopAfter(generator), max_problems=6, **kwargs)  # fmt: skip
+    assert (tmp_path / "resumed" / RESPONSES_FILE).read_text() == (tmp_path / "plain" / RESPONSES_FILE).read_text()
+    assert resumed.to_dict() == plain.to_dict()
+    assert not partial.exists()  # merged into responses.jsonl
+    # A finished result is not overwritten silently.
+    with pytest.raises(ValueError, match=rf"^{tmp_path / 'plain'} already holds an evaluation .*--overwrite"):
+        evaluate_model(tiny_qwen2, [str(bench)], out_dir=tmp_path / "plain", generator=counted, **kwargs)
+    again = evaluate_model(tiny_qwen2, [str(bench), "aime"], out_dir=tmp_path / "plain",
+                           generator=_StopAfter(generator), max_problems=6, overwrite=True, **kwargs)  # fmt: skip
+    assert again.to_dict() == plain.to_dict()  # seeded per chunk: the same responses
+
+
+def test_chunk_seeds_depend_on_benchmark_and_chunk_only():
+    seeds = {chunk_seed(0, b, k) for b in ("aime", "math") for k in range(50)}
+    assert len(seeds) == 100 and all(0 <= s < 2**31 for s in seeds)
+    assert chunk_seed(0, "math", 3) == chunk_seed(0, "math", 3) != chunk_seed(1, "math", 3)
