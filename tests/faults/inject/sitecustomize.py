@@ -127,9 +127,9 @@ def _install(algorithm) -> None:  # noqa: ANN001  (the nemo_disco.algorithm modu
 
         torch.save = failing_save
     elif kind == "kill_grader":
-        from nemo_disco import rewards
+        from nemo_disco.rewards import pool
 
-        send = rewards._Worker.send
+        send = pool._Worker.send
 
         def send_to_a_dead_worker(self, payload):  # noqa: ANN001, ANN202
             if now["step"] == step and fire():
@@ -137,7 +137,7 @@ def _install(algorithm) -> None:  # noqa: ANN001  (the nemo_disco.algorithm modu
                 self.proc.wait()
             return send(self, payload)
 
-        rewards._Worker.send = send_to_a_dead_worker
+        pool._Worker.send = send_to_a_dead_worker
     else:
         raise ValueError(f"NEMO_DISCO_FAULT={_SPEC!r}: unknown fault {kind!r}")
 
