@@ -14,8 +14,6 @@ import torch
 from nemo_disco import losses
 
 DT = torch.float64
-
-
 LN2, LN15, LN05 = math.log(2.0), math.log(1.5), math.log(0.5)
 
 

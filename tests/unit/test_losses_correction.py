@@ -1,4 +1,4 @@
-"""Rollout correction (importance weights for the generator / trainer mismatch) in nemo_disco.losses.
+"""nemo_disco.losses.correction: rollout weights for the generator / trainer mismatch, and their effect on each loss.
 
 Weights enter every DisCO-family mean over a question's positives or negatives as self-normalised weights
 (the DRO term becomes tau log(sum_j w_j exp(s_j / tau) / sum_j w_j)), and multiply each rollout's loss in the
