@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nemo_disco.data import BENCHMARKS, load_problems  # noqa: E402
-from nemo_disco.rewards import GraderPool, _parsed_gold, gold_latex, score_batch, score_response  # noqa: E402
+from nemo_disco.rewards import GraderPool, gold_latex, parsed_gold, score_batch, score_response  # noqa: E402
 
 REASONING = (
     "Let me set up the problem. Let $x$ be the unknown, so $x^2 - 5x + 6 = 0$ and hence "
@@ -62,7 +62,7 @@ def timed(fn, *args) -> tuple[float, list[float]]:  # noqa: ANN001
 
 
 def serial(responses: list[str], truths: list, grader: str) -> list[float]:
-    _parsed_gold.cache_clear()  # start cold, as a fresh worker does
+    parsed_gold.cache_clear()  # start cold, as a fresh worker does
     return [score_response(r, t, grader) for r, t in zip(responses, truths, strict=True)]
 
 

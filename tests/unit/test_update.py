@@ -1,6 +1,6 @@
 """nemo_disco.update: one pass == two passes == full-batch autograd (float64), for every loss.
 
-The model is ``TinyPolicy`` of ``test_losses.py`` (shared parameters W: every rollout's log-probs depend on all of
+The model is ``TinyPolicy`` of ``tests/loss_reference.py`` (shared parameters W: every rollout's log-probs depend on all
 W), wrapped as a :class:`nemo_disco.policy.base.Policy` whose ``train_minibatch`` sums the micro-batch gradients
 (no optimizer: the test reads the gradient). The reference is the full-batch loss differentiated by autograd,
 computed independently of the update unit. Layouts: 1, 2 and 3 micro-batches of whole questions, and
@@ -11,19 +11,14 @@ weights.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
+import loss_reference as ref
 import pytest
 import torch
 
 from nemo_disco import losses, update
 from nemo_disco.batch import RolloutBatch, pack_questions
-
-_SPEC = importlib.util.spec_from_file_location("_loss_reference", Path(__file__).with_name("test_losses.py"))
-ref = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(ref)
 
 DT = torch.float64
 # Row caps of the micro-batches: whole questions (sizes 2, 3, 4, 4, 5 in question order) in 1, 2 or 3 micro-batches,
@@ -72,7 +67,7 @@ class TinyModelPolicy:
 
 
 def case(seed: int = 5) -> tuple[ref.TinyPolicy, RolloutBatch]:
-    """test_losses' 19 rollouts (uneven questions, a singleton), sorted by question; generator log-probs apart."""
+    """loss_reference's 19 rollouts (uneven questions, a singleton), sorted by question; generator log-probs apart."""
     pol, c = ref.policy_case(seed=seed)
     order = torch.argsort(c["gids"], stable=True)
     gen = pol.old + 0.4 * torch.randn(pol.old.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=DT)

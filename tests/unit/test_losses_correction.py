@@ -1,4 +1,4 @@
-"""Rollout correction (importance weights for the generator / trainer mismatch) in nemo_disco.losses.
+"""nemo_disco.losses.correction: rollout weights for the generator / trainer mismatch, and their effect on each loss.
 
 Weights enter every DisCO-family mean over a question's positives or negatives as self-normalised weights
 (the DRO term becomes tau log(sum_j w_j exp(s_j / tau) / sum_j w_j)), and multiply each rollout's loss in the
@@ -7,19 +7,13 @@ GRPO family (each token's, for DAPO).
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
+import loss_reference as ref
 import pytest
 import torch
 
 from nemo_disco import losses
-
-# The naive reference and the cases live beside the main loss tests; load that module by path.
-_spec = importlib.util.spec_from_file_location("_loss_reference", Path(__file__).with_name("test_losses.py"))
-ref = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ref)
 
 DT = torch.float64
 LN2 = math.log(2.0)
@@ -40,8 +34,8 @@ def _truncated_weights(c: dict, seed: int, cap: float = 1.5) -> tuple[torch.Tens
 
 def test_seq_tis_weights_hand_values() -> None:
     # Per-token old - gen: row 0 [ln 3, 0] -> ratio 3 -> truncated to cap 2; row 1 [ln 0.5] -> 0.5; row 2 [0, 0] -> 1.
-    old, mask = ref._rows([0.0, -1.0], [-2.0], [-0.5, -0.5])
-    diff, _ = ref._rows([math.log(3.0), 0.0], [math.log(0.5)], [0.0, 0.0])
+    old, mask = ref.token_rows([0.0, -1.0], [-2.0], [-0.5, -0.5])
+    diff, _ = ref.token_rows([math.log(3.0), 0.0], [math.log(0.5)], [0.0, 0.0])
     gen = torch.where(mask, old - diff, 0.0)
     w, m = losses.rollout_weights(old, gen, mask, mode="seq_tis", cap=2.0)
     torch.testing.assert_close(w, torch.tensor([2.0, 0.5, 1.0], dtype=DT), atol=1e-12, rtol=0)
@@ -58,8 +52,8 @@ def test_seq_tis_weights_hand_values() -> None:
 
 def test_mismatch_metrics_hand_values() -> None:
     # d = old - gen per token: row 0 [ln 2, 0], row 1 [-ln 2].
-    old, mask = ref._rows([-1.0, -2.0], [-0.3])
-    diff, _ = ref._rows([LN2, 0.0], [-LN2])
+    old, mask = ref.token_rows([-1.0, -2.0], [-0.3])
+    diff, _ = ref.token_rows([LN2, 0.0], [-LN2])
     gen = torch.where(mask, old - diff, 0.0)
     m = losses.mismatch_metrics(old, gen, mask)
     # k3 = e^d - 1 - d: (2 - 1 - ln 2) + 0 + (0.5 - 1 + ln 2) = 0.5 over 3 tokens -> 1/6.
@@ -82,7 +76,7 @@ WEIGHTS = torch.tensor([2.0, 1.0, 1.0, 3.0, 5.0], dtype=DT)
 
 
 def _weighted_case() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    lp, mask = ref._rows(*WEIGHTED_LP)
+    lp, mask = ref.token_rows(*WEIGHTED_LP)
     return lp.clone().requires_grad_(True), lp.clone(), mask
 
 
@@ -108,7 +102,7 @@ def test_weighted_discob_term_hand_value() -> None:
 
 
 def test_weighted_grpo_and_dapo_hand_values() -> None:
-    lp, old, mask = ref._case_c()
+    lp, old, mask = ref.case_c()
     w = torch.tensor([2.0, 0.5, 1.0, 1.0], dtype=DT)
     loss, _ = losses.get_loss("grpo")(lp, old, mask, ref.CASE_C_GIDS, ref.CASE_C_REWARDS, weights=w)
     # Each rollout's loss times w_i: J = (2 * 0.85 A1 + 0.5 * -1.5 A1) / 4 = 0.95 A1 / 4.
@@ -116,22 +110,6 @@ def test_weighted_grpo_and_dapo_hand_values() -> None:
     loss, _ = losses.get_loss("dapo")(lp, old, mask, ref.CASE_C_GIDS, ref.CASE_C_REWARDS, weights=w)
     # Each token of rollout i weighted by w_i, unweighted token denominator: (2 * 1.78 - 0.5 * 1.5) A1 / 6.
     assert loss.item() == pytest.approx(-(2 * 1.78 - 0.5 * 1.5) * ref.A1 / 6, abs=1e-12)
-
-
-def test_weighted_group_helpers_direct() -> None:
-    values = torch.tensor([1.0, 3.0, 10.0, -2.0, 7.0], dtype=DT)
-    index = torch.tensor([0, 0, 1, 1, 2])
-    select = torch.tensor([True, True, True, True, False])
-    w = torch.tensor([1.0, 3.0, 0.5, 0.5, 9.0], dtype=DT)
-    mean, den = losses.weighted_group_mean(values, index, 3, select, w)
-    # group 0: (1 + 9) / 4 = 2.5; group 1: (5 - 1) / 1 = 4; group 2: nothing selected -> 0 with weight sum 0.
-    torch.testing.assert_close(mean, torch.tensor([2.5, 4.0, 0.0], dtype=DT))
-    torch.testing.assert_close(den, torch.tensor([4.0, 1.0, 0.0], dtype=DT))
-    lme, _ = losses.weighted_group_logmeanexp(values * 100, index, 3, select, w)
-    # Max subtraction keeps exp(1000) finite: group 1 = log(0.5 e^1000 + 0.5 e^-200) = 1000 + log 0.5.
-    assert lme[1].item() == pytest.approx(1000 + math.log(0.5), abs=1e-9)
-    assert lme[0].item() == pytest.approx(300 + math.log(0.75 + 0.25 * math.exp(-200)), abs=1e-9)
-    assert lme[2].item() == 0.0
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -145,10 +123,10 @@ def test_unit_weights_equal_no_correction(name: str, hp: dict) -> None:
     assert torch.equal(w, torch.ones_like(w)) and m["mismatch/truncated_share"] == 0.0
     fn = losses.get_loss(name, **hp)
     args = (c["lp"], c["old"], c["mask"], c["gids"], c["rewards"])
-    plain, _ = fn(*args, **ref._inputs(fn, c), **hp)
-    weighted, _ = fn(*args, **ref._inputs(fn, c), weights=w, **hp)
+    plain, _ = fn(*args, **ref.loss_inputs(fn, c), **hp)
+    weighted, _ = fn(*args, **ref.loss_inputs(fn, c), weights=w, **hp)
     assert weighted.item() == pytest.approx(plain.item(), abs=1e-12)
-    torch.testing.assert_close(ref._grad(weighted, c["lp"]), ref._grad(plain, c["lp"]), atol=1e-12, rtol=0)
+    torch.testing.assert_close(ref.grad_of(weighted, c["lp"]), ref.grad_of(plain, c["lp"]), atol=1e-12, rtol=0)
 
 
 @pytest.mark.parametrize("reward_kind", ["01", "pm1"])
@@ -158,15 +136,15 @@ def test_weighted_gradient_matches_naive_loop(name: str, hp: dict, reward_kind: 
     w, _ = _truncated_weights(c, seed=32)
     hp = {**hp, "positive_threshold": c["threshold"]}
     fn = losses.get_loss(name, **hp)
-    loss, m = fn(c["lp"], c["old"], c["mask"], c["gids"], c["rewards"], **ref._inputs(fn, c), weights=w, **hp)
+    loss, m = fn(c["lp"], c["old"], c["mask"], c["gids"], c["rewards"], **ref.loss_inputs(fn, c), weights=w, **hp)
     naive_loss, J, _ = ref.naive(
         name, c["lp"], c["old"], c["mask"], c["gids"], c["rewards"], entropy=c["entropy"], ref=c["ref"], weights=w, **hp
     )
     assert loss.item() == pytest.approx(naive_loss.item(), abs=1e-10)
     assert m["objective"] == pytest.approx(J.item(), abs=1e-10)
-    torch.testing.assert_close(ref._grad(loss, c["lp"]), ref._grad(naive_loss, c["lp"]), atol=1e-10, rtol=0)
+    torch.testing.assert_close(ref.grad_of(loss, c["lp"]), ref.grad_of(naive_loss, c["lp"]), atol=1e-10, rtol=0)
     # The weights change the objective (they are not silently dropped).
-    plain, _ = fn(c["lp"], c["old"], c["mask"], c["gids"], c["rewards"], **ref._inputs(fn, c), **hp)
+    plain, _ = fn(c["lp"], c["old"], c["mask"], c["gids"], c["rewards"], **ref.loss_inputs(fn, c), **hp)
     assert abs(plain.item() - loss.item()) > 1e-6
 
 
