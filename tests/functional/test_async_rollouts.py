@@ -166,9 +166,9 @@ def test_sigusr1_saves_the_rollouts_made_ahead_stops_both_sides_and_resumes_exac
 
 
 def test_a_hung_generator_ends_the_run_with_exit_4_naming_its_phase(tmp_path):
-    # The generator hangs in its first rollouts (the injector's step counter stays 0 there: no train_step runs).
+    # The generator (rank 1) hangs as it begins its first rollouts, those of step 1.
     run = tmp_path / "run"
-    done = _train(run, *ASYNC, fault="hang@1:0")
+    done = _train(run, *ASYNC, fault="hang@1:1")
     log = done.stdout + done.stderr
     assert done.returncode == watchdog.EXIT_HUNG, log[-4000:]
     # Both wait about as long: the generator's limit on its rollouts or the trainer's on step 1 fires first, and
