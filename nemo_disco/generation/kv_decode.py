@@ -104,7 +104,7 @@ class _DecodeLayer:
         return mlp.down_proj(mlp.act_fn(gate) * up)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def sample(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -189,6 +189,7 @@ def sample(
     fused = [_DecodeLayer(layer, qk_norm) for layer in layers]
     heads = first.q_proj.out_features // head_dim
     qk_width = (heads + kv_heads) * head_dim
+    group = heads // kv_heads
     end = prompt_len
     for step in range(max_tokens):
         if step:
@@ -216,11 +217,13 @@ def sample(
                 values[i, :, :, end - 1 : end] = v
                 kc, vc = keys[i, :, :, :end], values[i, :, :, :end]
                 # One query per row: two small matmuls beat the fused kernel's set-up on CPU.
-                qg = q.reshape(batch, kv_heads, heads // kv_heads, head_dim)  # query heads grouped by KV head
-                scores = torch.matmul(qg, kc.transpose(-1, -2)).float()  # [B, kv, g, L]
-                scores = scores.mul_(attn.scaling).add_(kb)
-                o = torch.matmul(scores.softmax(-1).to(vc.dtype), vc).view(batch, heads, 1, head_dim)
-                x = x + attn.o_proj(o.transpose(1, 2).reshape(batch, 1, -1))
+                # Query heads grouped by KV head, (row, KV head) pairs as the batch of bmm (what matmul does).
+                qg = q.reshape(batch * kv_heads, group, head_dim)
+                scores = torch.bmm(qg, kc.reshape(batch * kv_heads, end, head_dim).transpose(1, 2)).float()
+                scores = scores.view(batch, kv_heads, group, end).mul_(attn.scaling).add_(kb)  # [B, kv, g, L]
+                probs = scores.softmax(-1).to(vc.dtype).view(batch * kv_heads, group, end)
+                o = torch.bmm(probs, vc.reshape(batch * kv_heads, end, head_dim))  # [B * kv, g, D]: heads in order
+                x = x + attn.o_proj(o.view(batch, 1, -1))
                 x = x + dl.mlp(layer.post_attention_layernorm(x))
         logits = model.lm_head(body.norm(x[:, -1])).float()
         nxt, lp = pick(logits)
