@@ -144,7 +144,7 @@ class HFGenerator:
         #: "kv" (nemo_disco.generation.kv_decode) or "generate" (transformers' generate).
         self.decode_path = "kv" if decode == "auto" and kv_decode.supports(self.model) else "generate"
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def generate(
         self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingParams
     ) -> list[list[Rollout]]:

@@ -6,7 +6,10 @@ overhead is a large share of the decode time. This loop calls the model's own mo
 projections, rotary embedding, MLPs, final norm, LM head) on a preallocated KV cache: the same weights, so a
 refit needs nothing more, and the same function; results differ from ``generate`` only by float rounding
 (the generator tests check greedy outputs against ``generate`` token for token and sampled log-probs
-against the policy).
+against the policy). The one-token steps, the bulk of the work, keep what does not depend on the new token out
+of the loop: each layer's q, k, v projections (and a dense MLP's gate and up projections) run as one matrix
+product over weights concatenated once per call, the rotary cos / sin of every step are computed once, and the
+attention's padding mask is an additive bias made once.
 
 Supported: ``model_type`` qwen2, llama, qwen3 and qwen3_moe (the project's architectures) without
 sliding-window attention. Qwen3's per-head RMSNorms of queries and keys (``q_norm`` / ``k_norm``, before RoPE)
@@ -62,7 +65,46 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos.unsqueeze(1) + _rotate_half(x) * sin.unsqueeze(1)
 
 
-@torch.no_grad()
+def _fused_linear(parts: Sequence[torch.nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """One weight (and bias) for linear layers applied to one input, their outputs side by side.
+
+    None when they are not all plain ``nn.Linear`` layers, all with a bias or all without.
+    """
+    if not all(type(m) is torch.nn.Linear for m in parts):
+        return None
+    biases = [m.bias for m in parts]
+    if any(b is None for b in biases) and not all(b is None for b in biases):
+        return None
+    weight = torch.cat([m.weight for m in parts])
+    return weight, (None if biases[0] is None else torch.cat(biases))
+
+
+class _DecodeLayer:
+    """One layer for the one-token steps, built per :func:`sample` call from the current weights.
+
+    The q, k, v projections fused into one matrix (not with Qwen3's q / k norms) and a dense gated MLP's gate and
+    up projections into another (an MoE block stays a module call).
+    """
+
+    def __init__(self, layer: torch.nn.Module, qk_norm: bool) -> None:
+        attn = layer.self_attn
+        self.layer = layer
+        self.attn = attn
+        self.qkv = None if qk_norm else _fused_linear((attn.q_proj, attn.k_proj, attn.v_proj))
+        mlp = layer.mlp
+        dense = all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+        self.gate_up = _fused_linear((mlp.gate_proj, mlp.up_proj)) if dense else None
+        self.inter = mlp.gate_proj.out_features if dense else 0
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        mlp = self.layer.mlp
+        if self.gate_up is None:
+            return mlp(x)
+        gate, up = F.linear(x, *self.gate_up).split(self.inter, dim=-1)
+        return mlp.down_proj(mlp.act_fn(gate) * up)
+
+
+@torch.inference_mode()
 def sample(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -115,38 +157,74 @@ def sample(
     logps: list[torch.Tensor] = []
 
     x = body.embed_tokens(input_ids)
-    start, end = 0, prompt_len
     # Prefill: causal attention over the prompt, padding masked as keys. Each query also sees itself, so a
     # padding query never has every key masked (its output is unused but must stay finite: it is cached).
     causal = torch.ones(prompt_len, prompt_len, dtype=torch.bool, device=device).tril()
     mask = causal & (valid[:, None, :prompt_len] | torch.eye(prompt_len, dtype=torch.bool, device=device))
     mask = mask.unsqueeze(1)  # [B, 1, P, P]
+    # Prefill: the model's modules over the whole prompt.
+    cos, sin = body.rotary_emb(x, positions)
+    for i, layer in enumerate(layers):
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)
+        q = attn.q_proj(h).view(batch, prompt_len, -1, head_dim)
+        k = attn.k_proj(h).view(batch, prompt_len, -1, head_dim)
+        if qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q = _rope(q.transpose(1, 2), cos, sin)
+        keys[i, :, :, :prompt_len] = _rope(k.transpose(1, 2), cos, sin)
+        values[i, :, :, :prompt_len] = attn.v_proj(h).view(batch, prompt_len, -1, head_dim).transpose(1, 2)
+        kc, vc = keys[i, :, :, :prompt_len], values[i, :, :, :prompt_len]
+        o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, scale=attn.scaling, enable_gqa=True)
+        x = x + attn.o_proj(o.transpose(1, 2).reshape(batch, prompt_len, -1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    # One-token steps. Everything that does not depend on the new tokens is made once: the rotary cos / sin of
+    # every step (each row's positions run on by one per step), the attention's additive mask (0 on every valid
+    # key, -inf on the prompt's padding; every generated key is valid) and the fused projection weights.
+    steps = torch.arange(1, max_tokens, device=device)
+    step_pos = positions[:, -1:] + steps  # [B, max_tokens - 1]
+    cos_all, sin_all = body.rotary_emb(x, step_pos) if max_tokens > 1 else (None, None)
+    bias = torch.zeros(batch, 1, 1, prompt_len + max_tokens, dtype=torch.float32, device=device)
+    bias[:, 0, 0, :prompt_len].masked_fill_(~valid[:, :prompt_len], float("-inf"))
+    fused = [_DecodeLayer(layer, qk_norm) for layer in layers]
+    heads = first.q_proj.out_features // head_dim
+    qk_width = (heads + kv_heads) * head_dim
+    group = heads // kv_heads
+    end = prompt_len
     for step in range(max_tokens):
-        cos, sin = body.rotary_emb(x, positions)
-        seq = x.shape[1]
-        for i, layer in enumerate(layers):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = attn.q_proj(h).view(batch, seq, -1, head_dim)
-            k = attn.k_proj(h).view(batch, seq, -1, head_dim)
-            if qk_norm:
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q = _rope(q.transpose(1, 2), cos, sin)
-            k = _rope(k.transpose(1, 2), cos, sin)
-            keys[i, :, :, start:end] = k
-            values[i, :, :, start:end] = attn.v_proj(h).view(batch, seq, -1, head_dim).transpose(1, 2)
-            kc, vc = keys[i, :, :, :end], values[i, :, :, :end]
-            if seq > 1:
-                o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, scale=attn.scaling, enable_gqa=True)
-            else:
+        if step:
+            end += 1
+            cos, sin = cos_all[:, step - 1 : step], sin_all[:, step - 1 : step]  # [B, 1, D]
+            kb = bias[..., :end]
+            for i, dl in enumerate(fused):
+                layer, attn = dl.layer, dl.attn
+                h = layer.input_layernorm(x)  # [B, 1, hidden]
+                if dl.qkv is not None:
+                    qkv = F.linear(h, *dl.qkv)
+                    # q and k heads side by side through one rotary embedding: [B, heads + kv_heads, 1, D]
+                    qk = _rope(qkv[..., :qk_width].view(batch, 1, -1, head_dim).transpose(1, 2), cos, sin)
+                    q, k = qk[:, :heads], qk[:, heads:]
+                    v = qkv[..., qk_width:].view(batch, 1, kv_heads, head_dim).transpose(1, 2)
+                else:
+                    q = attn.q_proj(h).view(batch, 1, -1, head_dim)
+                    k = attn.k_proj(h).view(batch, 1, -1, head_dim)
+                    if qk_norm:
+                        q, k = attn.q_norm(q), attn.k_norm(k)
+                    q = _rope(q.transpose(1, 2), cos, sin)
+                    k = _rope(k.transpose(1, 2), cos, sin)
+                    v = attn.v_proj(h).view(batch, 1, -1, head_dim).transpose(1, 2)
+                keys[i, :, :, end - 1 : end] = k
+                values[i, :, :, end - 1 : end] = v
+                kc, vc = keys[i, :, :, :end], values[i, :, :, :end]
                 # One query per row: two small matmuls beat the fused kernel's set-up on CPU.
-                heads = q.shape[1]
-                qg = q.view(batch, kv_heads, heads // kv_heads, head_dim)  # query heads grouped by KV head
-                scores = torch.matmul(qg, kc.transpose(-1, -2)).float() * attn.scaling  # [B, kv, g, L]
-                scores = scores.masked_fill(~mask, float("-inf"))
-                o = torch.matmul(scores.softmax(-1).to(vc.dtype), vc).view(batch, heads, 1, head_dim)
-            x = x + attn.o_proj(o.transpose(1, 2).reshape(batch, seq, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+                # Query heads grouped by KV head, (row, KV head) pairs as the batch of bmm (what matmul does).
+                qg = q.reshape(batch * kv_heads, group, head_dim)
+                scores = torch.bmm(qg, kc.reshape(batch * kv_heads, end, head_dim).transpose(1, 2)).float()
+                scores = scores.view(batch, kv_heads, group, end).mul_(attn.scaling).add_(kb)  # [B, kv, g, L]
+                probs = scores.softmax(-1).to(vc.dtype).view(batch * kv_heads, group, end)
+                o = torch.bmm(probs, vc.reshape(batch * kv_heads, end, head_dim))  # [B * kv, g, D]: heads in order
+                x = x + attn.o_proj(o.view(batch, 1, -1))
+                x = x + dl.mlp(layer.post_attention_layernorm(x))
         logits = model.lm_head(body.norm(x[:, -1])).float()
         nxt, lp = pick(logits)
         nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
@@ -158,10 +236,5 @@ def sample(
                 break
         if step + 1 == max_tokens:
             break
-        # The next input: the new token at the next position, attending to every valid key so far.
-        valid[:, end] = True
-        positions = positions[:, -1:] + 1
-        x = body.embed_tokens(nxt.unsqueeze(1))
-        start, end = end, end + 1
-        mask = valid[:, None, None, :end]  # [B, 1, 1, L]
+        x = body.embed_tokens(nxt.unsqueeze(1))  # the next input: the new token at the next position
     return torch.stack(tokens, dim=1), torch.stack(logps, dim=1)

@@ -38,7 +38,9 @@ def response_logprobs(
     p = batch.prompt_ids.shape[1]
     r = batch.response_ids.shape[1]
     # The token at position p + t is predicted by the logits at p + t - 1.
-    pred = logits[:, p - 1 : p + r - 1, :].float() / temperature  # [n, R, V]
+    pred = logits[:, p - 1 : p + r - 1, :].float()  # [n, R, V]
+    if temperature != 1.0:  # x / 1.0 is x: no division (and none in the backward) at the default temperature
+        pred = pred / temperature
     logp_all = torch.log_softmax(pred, dim=-1)
     logp = logp_all.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1)  # [n, R]
     mask = batch.response_mask
