@@ -17,6 +17,7 @@ import torch
 from nemo_disco import distributed, files, weights
 from nemo_disco.batch import RolloutBatch, split_microbatches
 from nemo_disco.config import PolicyConfig, RunConfig
+from nemo_disco.policy import hf_forward
 from nemo_disco.policy.base import RunValues, SurrogateFn
 from nemo_disco.policy.schedule import lr_at
 
@@ -79,6 +80,8 @@ class HFPolicy:
             )
             enable()
         self.model.config.use_cache = False
+        #: "modules" (nemo_disco.policy.hf_forward over the model's modules) or "model" (the model's own forward).
+        self.forward_path = "modules" if hf_forward.supports(self.model) else "model"
         if trainable and pc.freeze_router:
             for name, p in self.model.named_parameters():
                 if name.endswith(".mlp.gate.weight"):  # an MoE router (a dense MLP's is gate_proj)
@@ -109,16 +112,19 @@ class HFPolicy:
 
     # ------------------------------------------------------------------------------------------------------------------
     def _forward(self, batch: RolloutBatch, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        out = self.model(
-            input_ids=batch.input_ids.to(self.device),
-            attention_mask=batch.attention_mask.to(self.device).long(),
-            position_ids=batch.position_ids.to(self.device),
-            use_cache=False,
-        )
+        ids = batch.input_ids.to(self.device)
+        mask = batch.attention_mask.to(self.device).long()
+        positions = batch.position_ids.to(self.device)
+        if self.forward_path == "modules":
+            logits = hf_forward.logits(
+                self.model, ids, mask, positions, activation_checkpointing=self.pc.activation_checkpointing
+            )
+        else:
+            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
         on_device = batch.with_(
             response_ids=batch.response_ids.to(self.device), response_mask=batch.response_mask.to(self.device)
         )
-        return response_logprobs(out.logits, on_device, self.temperature, entropy)
+        return response_logprobs(logits, on_device, self.temperature, entropy)
 
     def microbatch_rows(self, batch: RolloutBatch) -> list[torch.Tensor]:
         """Row indices of the micro-batches :meth:`train_minibatch` runs ``batch`` in (see ``Policy``)."""

@@ -26,57 +26,6 @@ def _prompts(n: int = 6, seed: int = 0) -> list[list[int]]:
     return [[rng.randint(3, 120) for _ in range(rng.randint(2, 13))] for _ in range(n)]
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    """A random 2-layer Llama with untied embeddings and Llama-3 rope scaling (the R1-Distill-Llama layout)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        bos_token_id=2,
-        eos_token_id=EOS,
-        pad_token_id=0,
-        rope_scaling={
-            "rope_type": "llama3",
-            "rope_theta": 500000.0,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 32,
-        },
-    )
-    torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("tiny_llama")
-    LlamaForCausalLM(cfg).save_pretrained(out)
-    return out
-
-
-@pytest.fixture(scope="module")
-def tiny_qwen3(tmp_path_factory):
-    """A random 2-layer Qwen3 with q / k norms and head_dim 32 != hidden 64 / 4 heads (the Qwen3-4B layout)."""
-    from nemo_disco.config import TinyModelConfig
-    from nemo_disco.tiny import build_model
-
-    return build_model(TinyModelConfig(architecture="qwen3", head_dim=32), tmp_path_factory.mktemp("q3"), seed=1)
-
-
-@pytest.fixture(scope="module")
-def tiny_qwen3_moe(tmp_path_factory):
-    """A random 2-layer Qwen3-MoE: 4 experts, top-2 renormalised, untied embeddings (the Qwen3-30B-A3B layout)."""
-    from nemo_disco.config import TinyModelConfig
-    from nemo_disco.tiny import build_model
-
-    tiny = TinyModelConfig(architecture="qwen3_moe", head_dim=32, tie_word_embeddings=False)
-    return build_model(tiny, tmp_path_factory.mktemp("q3moe"), seed=2)
-
-
 @pytest.mark.parametrize("arch", ["tiny_qwen2", "tiny_llama", "tiny_qwen3", "tiny_qwen3_moe"])
 @pytest.mark.parametrize("name", list(SAMPLINGS))
 def test_kv_loop_equals_transformers_generate(arch, name, request):
