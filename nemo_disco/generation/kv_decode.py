@@ -9,7 +9,8 @@ refit needs nothing more, and the same function; results differ from ``generate`
 against the policy). The one-token steps, the bulk of the work, keep what does not depend on the new token out
 of the loop: each layer's q, k, v projections (and a dense MLP's gate and up projections) run as one matrix
 product over weights concatenated once per call, the rotary cos / sin of every step are computed once, and the
-attention's padding mask is an additive bias made once.
+attention's padding mask is an additive bias made once; RMSNorms (float32), plain linear layers and SiLU are
+called as functions on the modules' weights, not through the modules (the same ops, bit for bit).
 
 Supported: ``model_type`` qwen2, llama, qwen3 and qwen3_moe (the project's architectures) without
 sliding-window attention. Qwen3's per-head RMSNorms of queries and keys (``q_norm`` / ``k_norm``, before RoPE)
@@ -79,11 +80,40 @@ def _fused_linear(parts: Sequence[torch.nn.Module]) -> tuple[torch.Tensor, torch
     return weight, (None if biases[0] is None else torch.cat(biases))
 
 
+def rms_norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)`` for a transformers RMSNorm: ``F.rms_norm`` where it equals the module bit for bit (float32).
+
+    In float32 the fused function runs the reference's ops in the reference's order (tests compare values and
+    gradients bit for bit); in another dtype the module itself runs (the reference casts back before the weight
+    product).
+    """
+    weight, eps = getattr(module, "weight", None), getattr(module, "variance_epsilon", None)
+    if x.dtype == torch.float32 and weight is not None and weight.dtype == torch.float32 and eps is not None:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return module(x)
+
+
+def _linear(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``module`` as a direct ``F.linear`` call when it is a plain ``nn.Linear`` (no module dispatch per call)."""
+    if type(module) is not torch.nn.Linear:
+        return module
+    weight, bias = module.weight, module.bias
+    return lambda x: F.linear(x, weight, bias)
+
+
+def _activation(act: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``F.silu`` for a SiLU module (transformers' ``SiLUActivation`` is ``F.silu``), else the module."""
+    from transformers.activations import SiLUActivation
+
+    return F.silu if type(act) in (SiLUActivation, torch.nn.SiLU) else act
+
+
 class _DecodeLayer:
     """One layer for the one-token steps, built per :func:`sample` call from the current weights.
 
     The q, k, v projections fused into one matrix (not with Qwen3's q / k norms) and a dense gated MLP's gate and
-    up projections into another (an MoE block stays a module call).
+    up projections into another (an MoE block stays a module call); plain linear layers and a SiLU called as
+    functions, not through their modules.
     """
 
     def __init__(self, layer: torch.nn.Module, qk_norm: bool) -> None:
@@ -91,17 +121,20 @@ class _DecodeLayer:
         self.layer = layer
         self.attn = attn
         self.qkv = None if qk_norm else _fused_linear((attn.q_proj, attn.k_proj, attn.v_proj))
+        self.o_proj = _linear(attn.o_proj)
         mlp = layer.mlp
         dense = all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
         self.gate_up = _fused_linear((mlp.gate_proj, mlp.up_proj)) if dense else None
         self.inter = mlp.gate_proj.out_features if dense else 0
+        if self.gate_up is not None:
+            self.down = _linear(mlp.down_proj)
+            self.act = _activation(mlp.act_fn)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        mlp = self.layer.mlp
         if self.gate_up is None:
-            return mlp(x)
+            return self.layer.mlp(x)
         gate, up = F.linear(x, *self.gate_up).split(self.inter, dim=-1)
-        return mlp.down_proj(mlp.act_fn(gate) * up)
+        return self.down(self.act(gate) * up)
 
 
 @torch.inference_mode()
@@ -187,6 +220,7 @@ def sample(
     bias = torch.zeros(batch, 1, 1, prompt_len + max_tokens, dtype=torch.float32, device=device)
     bias[:, 0, 0, :prompt_len].masked_fill_(~valid[:, :prompt_len], float("-inf"))
     fused = [_DecodeLayer(layer, qk_norm) for layer in layers]
+    lm_head = _linear(model.lm_head)
     heads = first.q_proj.out_features // head_dim
     qk_width = (heads + kv_heads) * head_dim
     group = heads // kv_heads
@@ -198,7 +232,7 @@ def sample(
             kb = bias[..., :end]
             for i, dl in enumerate(fused):
                 layer, attn = dl.layer, dl.attn
-                h = layer.input_layernorm(x)  # [B, 1, hidden]
+                h = rms_norm(layer.input_layernorm, x)  # [B, 1, hidden]
                 if dl.qkv is not None:
                     qkv = F.linear(h, *dl.qkv)
                     # q and k heads side by side through one rotary embedding: [B, heads + kv_heads, 1, D]
@@ -223,9 +257,9 @@ def sample(
                 scores = scores.view(batch, kv_heads, group, end).mul_(attn.scaling).add_(kb)  # [B, kv, g, L]
                 probs = scores.softmax(-1).to(vc.dtype).view(batch * kv_heads, group, end)
                 o = torch.bmm(probs, vc.reshape(batch * kv_heads, end, head_dim))  # [B * kv, g, D]: heads in order
-                x = x + attn.o_proj(o.view(batch, 1, -1))
-                x = x + dl.mlp(layer.post_attention_layernorm(x))
-        logits = model.lm_head(body.norm(x[:, -1])).float()
+                x = x + dl.o_proj(o.view(batch, 1, -1))
+                x = x + dl.mlp(rms_norm(layer.post_attention_layernorm, x))
+        logits = lm_head(rms_norm(body.norm, x[:, -1])).float()
         nxt, lp = pick(logits)
         nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
         tokens.append(nxt)

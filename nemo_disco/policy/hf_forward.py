@@ -33,14 +33,6 @@ def supports(model: torch.nn.Module) -> bool:
     return kv_decode.supports(model)
 
 
-def _rms_norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``module(x)`` for a transformers RMSNorm; the fused kernel where it equals the reference exactly (float32)."""
-    weight, eps = getattr(module, "weight", None), getattr(module, "variance_epsilon", None)
-    if x.dtype == torch.float32 and weight is not None and weight.dtype == torch.float32 and eps is not None:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    return module(x)
-
-
 class _Rope(torch.autograd.Function):
     """``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)``, written half by half.
 
@@ -99,7 +91,7 @@ def _attention(attn: torch.nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: t
     q = attn.q_proj(h).view(shape)
     k = attn.k_proj(h).view(shape)
     if qk_norm:
-        q, k = _rms_norm(attn.q_norm, q), _rms_norm(attn.k_norm, k)
+        q, k = kv_decode.rms_norm(attn.q_norm, q), kv_decode.rms_norm(attn.k_norm, k)
     q = rope(q.transpose(1, 2), cos, sin)
     k = rope(k.transpose(1, 2), cos, sin)
     v = attn.v_proj(h).view(shape).transpose(1, 2)
@@ -120,8 +112,8 @@ def _attention(attn: torch.nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: t
 
 
 def _layer(layer: torch.nn.Module, x: torch.Tensor, cos, sin, mask, qk_norm: bool) -> torch.Tensor:  # noqa: ANN001
-    x = x + _attention(layer.self_attn, _rms_norm(layer.input_layernorm, x), cos, sin, mask, qk_norm)
-    return x + layer.mlp(_rms_norm(layer.post_attention_layernorm, x))
+    x = x + _attention(layer.self_attn, kv_decode.rms_norm(layer.input_layernorm, x), cos, sin, mask, qk_norm)
+    return x + layer.mlp(kv_decode.rms_norm(layer.post_attention_layernorm, x))
 
 
 def logits(
@@ -151,4 +143,4 @@ def logits(
             x = checkpoint(_layer, layer, x, cos, sin, mask, qk_norm, use_reentrant=False)
         else:
             x = _layer(layer, x, cos, sin, mask, qk_norm)
-    return model.lm_head(_rms_norm(body.norm, x))
+    return model.lm_head(kv_decode.rms_norm(body.norm, x))

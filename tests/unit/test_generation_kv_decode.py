@@ -26,6 +26,36 @@ def _prompts(n: int = 6, seed: int = 0) -> list[list[int]]:
     return [[rng.randint(3, 120) for _ in range(rng.randint(2, 13))] for _ in range(n)]
 
 
+def test_rms_norm_is_the_modules_own_bit_for_bit_and_the_module_outside_float32(tiny_qwen2):
+    from transformers import AutoModelForCausalLM
+
+    norm = AutoModelForCausalLM.from_pretrained(str(tiny_qwen2)).model.norm
+    norm.weight.data.normal_()
+    x = torch.randn(3, 4, norm.weight.shape[0]) * 3
+    assert torch.equal(kv_decode.rms_norm(norm, x), norm(x))
+    norm = norm.to(torch.bfloat16)
+    xb = x.to(torch.bfloat16)
+    assert torch.equal(kv_decode.rms_norm(norm, xb), norm(xb))  # the reference path: casts back before the weight
+
+
+def test_plain_linear_layers_and_silu_run_as_functions_and_anything_else_as_its_module():
+    from transformers.activations import SiLUActivation
+
+    lin = torch.nn.Linear(4, 3)
+    x = torch.randn(2, 4)
+    assert torch.equal(kv_decode._linear(lin)(x), lin(x))
+
+    class Scaled(torch.nn.Linear):  # a subclass may change forward: kept as a module call
+        def forward(self, t: torch.Tensor) -> torch.Tensor:
+            return 2 * super().forward(t)
+
+    scaled = Scaled(4, 3)
+    assert kv_decode._linear(scaled) is scaled
+    assert kv_decode._activation(SiLUActivation()) is torch.nn.functional.silu
+    gelu = torch.nn.GELU()
+    assert kv_decode._activation(gelu) is gelu
+
+
 @pytest.mark.parametrize("arch", ["tiny_qwen2", "tiny_llama", "tiny_qwen3", "tiny_qwen3_moe"])
 @pytest.mark.parametrize("name", list(SAMPLINGS))
 def test_kv_loop_equals_transformers_generate(arch, name, request):
