@@ -10,9 +10,10 @@ much as the matrix products. :func:`logits` computes the same function on the sa
   otherwise: in bf16 the reference casts back before the weight product);
 - the rotary embedding as one autograd function that writes the rotated halves directly and, in the backward,
   rotates the gradient back with two products and two sums;
-- the mask made once per call, as transformers makes it (``causal & key is a real token``; none, and a causal
-  kernel, when no token is padding), and scaled-dot-product attention with the keys and values repeated per
-  query head as transformers repeats them.
+- the mask made once per call as transformers makes it (``causal & key is a real token``; none, and a causal
+  kernel, when no token is padding), in the additive form the attention turns a boolean mask into on every
+  call, and scaled-dot-product attention with the keys and values repeated per query head as transformers
+  repeats them.
 
 In float32 every value and every gradient equals transformers' bit for bit (tests/unit/test_policy_hf_forward.py
 checks logits and the gradient of every parameter for Qwen2, Llama, Qwen3 and Qwen3-MoE, with and without
@@ -72,17 +73,19 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return _Rope.apply(x, cos.unsqueeze(1), sin.unsqueeze(1))
 
 
-def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor | None:
-    """[B, 1, S, S] bool, True where query i may attend key j (``j <= i`` and key j is real); None: no padding.
+def causal_padding_mask(attention_mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+    """[B, 1, S, S] additive mask: 0 where query i may attend key j (``j <= i``, key j real), -inf elsewhere.
 
-    transformers' mask for scaled-dot-product attention: a row whose keys are all padding stays all False.
+    transformers' mask for scaled-dot-product attention (a row whose keys are all padding stays all masked), as
+    the additive mask the attention makes of a boolean one on every call, made once here. None: no padding.
     """
     valid = attention_mask.bool()
     if bool(valid.all()):
         return None
     s = valid.shape[1]
     causal = torch.ones(s, s, dtype=torch.bool, device=valid.device).tril()
-    return (causal & valid[:, None, :]).unsqueeze(1)
+    allowed = (causal & valid[:, None, :]).unsqueeze(1)
+    return torch.zeros(allowed.shape, dtype=dtype, device=valid.device).masked_fill_(~allowed, float("-inf"))
 
 
 def _attention(attn: torch.nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask, qk_norm: bool):  # noqa: ANN001, ANN202
@@ -137,7 +140,7 @@ def logits(
     qk_norm = model.config.model_type in kv_decode.QK_NORM_MODEL_TYPES
     x = body.embed_tokens(input_ids)
     cos, sin = body.rotary_emb(x, position_ids)
-    mask = causal_padding_mask(attention_mask)
+    mask = causal_padding_mask(attention_mask, x.dtype)
     for layer in body.layers:
         if activation_checkpointing and torch.is_grad_enabled():
             x = checkpoint(_layer, layer, x, cos, sin, mask, qk_norm, use_reentrant=False)

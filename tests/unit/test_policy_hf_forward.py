@@ -98,9 +98,10 @@ def test_the_rotary_embeddings_backward_is_the_derivative_of_its_forward():
 def test_the_mask_is_causal_over_real_keys_and_absent_without_padding():
     mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
     m = hf_forward.causal_padding_mask(mask)
-    assert m.shape == (2, 1, 3, 3)
-    assert m[0, 0].tolist() == [[False, False, False], [False, True, False], [False, True, True]]
-    assert m[1, 0].tolist() == [[True, False, False], [True, True, False], [True, True, True]]
+    assert m.shape == (2, 1, 3, 3) and m.dtype == torch.float32
+    inf = float("-inf")
+    assert m[0, 0].tolist() == [[inf, inf, inf], [inf, 0.0, inf], [inf, 0.0, 0.0]]
+    assert m[1, 0].tolist() == [[0.0, inf, inf], [0.0, 0.0, inf], [0.0, 0.0, 0.0]]
     assert hf_forward.causal_padding_mask(torch.ones(2, 3, dtype=torch.long)) is None
 
 
