@@ -1,10 +1,10 @@
-"""The transformers policy's full-sequence forward over a Llama-family model's own modules (fewer, cheaper ops).
+"""The transformers policy's full-sequence forward over a Llama-family model's own modules (fewer ops, same bits).
 
 ``model(input_ids, ...)`` in transformers builds a 4-D mask through its masking utilities, dispatches every
 RMSNorm, rotary embedding and attention call through its kernel and attention registries, and runs each op the
-reference way: RMSNorm as six elementwise ops (twelve in the backward), the rotary embedding as
-``q * cos + rotate_half(q) * sin`` with a concatenation per call. On a CPU with a small model those ops cost as
-much as the matrix products. :func:`logits` computes the same function on the same modules and parameters:
+reference way: RMSNorm as six elementwise ops, the rotary embedding as ``q * cos + rotate_half(q) * sin`` with
+a negation and a concatenation per call, the boolean mask turned into an additive one in every layer.
+:func:`logits` computes the same function on the same modules and parameters:
 
 - RMSNorm through ``torch.nn.functional.rms_norm`` where the input is float32 (the module's own forward
   otherwise: in bf16 the reference casts back before the weight product);
@@ -17,7 +17,10 @@ much as the matrix products. :func:`logits` computes the same function on the sa
 
 In float32 every value and every gradient equals transformers' bit for bit (tests/unit/test_policy_hf_forward.py
 checks logits and the gradient of every parameter for Qwen2, Llama, Qwen3 and Qwen3-MoE, with and without
-padding), so the switch changes no run; a model :func:`supports` rejects runs through ``model(...)``.
+padding), so the switch changes no run; a model :func:`supports` rejects runs through ``model(...)``. The saving
+is small: 1-3% of a training update of the CPU benchmark's model (``benchmarks/bench_policy_forward.py``,
+docs/benchmarks.md), where matrix products, attention and the memory-bound elementwise ops the reference
+needs anyway dominate.
 """
 
 from __future__ import annotations
