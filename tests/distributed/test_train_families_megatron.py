@@ -109,11 +109,3 @@ def test_an_unsupported_architecture_stops_the_run_at_start_up_in_one_line(edit,
     errors = [line for line in res.stderr.splitlines() if line.startswith("nemo-disco train: error:")]
     assert len(errors) == 1 and errors[0] == res.stderr.strip().splitlines()[-1], res.stderr[-2000:]
     assert message in errors[0] and f"{model / 'config.json'}" in errors[0]
-
-
-@pytest.fixture(scope="module")
-def tiny_qwen3(tmp_path_factory):
-    from nemo_disco.config import TinyModelConfig
-    from nemo_disco.tiny import build_model
-
-    return build_model(TinyModelConfig(architecture="qwen3"), tmp_path_factory.mktemp("qwen3"), seed=0)

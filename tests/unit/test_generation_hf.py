@@ -161,15 +161,6 @@ def test_vllm_generator_without_vllm_says_how_to_install_it(tiny_qwen2):
         VLLMGenerator(tiny_qwen2)
 
 
-@pytest.fixture(scope="module")
-def tiny_qwen3_moe(tmp_path_factory):
-    from nemo_disco.config import TinyModelConfig
-    from nemo_disco.tiny import build_model
-
-    tiny = TinyModelConfig(architecture="qwen3_moe", head_dim=32, tie_word_embeddings=False)
-    return build_model(tiny, tmp_path_factory.mktemp("q3moe"), seed=3)
-
-
 def test_moe_experts_refit_by_checkpoint_name_into_the_fused_tensors(tiny_qwen3_moe):
     """Policies export each expert (checkpoint names); the generator fuses them into transformers' tensors."""
     names = [n for n, _ in policy_for(tiny_qwen3_moe).export_weights()]

@@ -34,7 +34,7 @@ def _inputs(padded: bool, vocab: int, rows: int = 5, length: int = 17, seed: int
     return ids, mask, positions
 
 
-def _logits_and_grads(model, fn, ids, mask, upstream):  # noqa: ANN001, ANN202
+def _logits_and_grads(model, fn, mask, upstream):  # noqa: ANN001, ANN202
     model.zero_grad(set_to_none=True)
     logits = fn()
     # Only real tokens carry a gradient, as in training (padding's logits are never read).
@@ -53,13 +53,10 @@ def test_logits_and_every_gradient_equal_the_models_own_forward_bit_for_bit(arch
     ref_logits, ref_grads = _logits_and_grads(
         model,
         lambda: model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits,
-        ids,
         mask,
         upstream,
     )
-    logits, grads = _logits_and_grads(
-        model, lambda: hf_forward.logits(model, ids, mask, positions), ids, mask, upstream
-    )
+    logits, grads = _logits_and_grads(model, lambda: hf_forward.logits(model, ids, mask, positions), mask, upstream)
     assert torch.equal(logits, ref_logits)
     assert grads.keys() == ref_grads.keys()
     assert len(grads) == len([p for p in model.parameters() if p.requires_grad])
@@ -71,11 +68,10 @@ def test_activation_checkpointing_recomputes_the_same_gradients(tiny_qwen3):
     model = _model(tiny_qwen3)
     ids, mask, positions = _inputs(True, model.config.vocab_size)
     upstream = torch.randn(*ids.shape, model.config.vocab_size, generator=torch.Generator().manual_seed(2))
-    plain = _logits_and_grads(model, lambda: hf_forward.logits(model, ids, mask, positions), ids, mask, upstream)
+    plain = _logits_and_grads(model, lambda: hf_forward.logits(model, ids, mask, positions), mask, upstream)
     ckpt = _logits_and_grads(
         model,
         lambda: hf_forward.logits(model, ids, mask, positions, activation_checkpointing=True),
-        ids,
         mask,
         upstream,
     )
