@@ -626,6 +626,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _groups_exist() -> bool:
+    """Whether this process has a default process group (never true before torch is imported)."""
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
+def _end_process_groups() -> None:
+    """Destroy the process groups a finished command made (see :func:`nemo_disco.distributed.shutdown`).
+
+    Only after a command returned: after an error a peer may still be inside a collective, and the exit is
+    nonzero either way.
+    """
+    if _groups_exist():
+        from nemo_disco import distributed
+
+        distributed.shutdown()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``nemo-disco`` console script."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -633,8 +651,12 @@ def main(argv: list[str] | None = None) -> int:
     # the hub's download bars: carriage-return noise in a log file. HF_HUB_DISABLE_PROGRESS_BARS=0 brings them back.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     args = build_parser().parse_args(argv)
+    had_groups = _groups_exist()  # a caller's own groups (main called from Python) are left alone
     try:
-        return args.fn(args)
+        code = args.fn(args)
+        if not had_groups:
+            _end_process_groups()
+        return code
     except (config_lib.ConfigError, UserError, FileNotFoundError, ValueError) as err:
         if os.environ.get("NEMO_DISCO_DEBUG"):
             raise

@@ -900,6 +900,9 @@ def main() -> None:
     result = fn(args, world, rank)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(result, indent=1))
+    from nemo_disco import distributed
+
+    distributed.shutdown()  # a gloo group alive at exit can abort the process (exit -6) after it succeeded
 
 
 if __name__ == "__main__":

@@ -217,6 +217,7 @@ def _worker(model_dir: str, out_dir: str) -> None:
         _trainer(link, model_dir, out_dir, generator_world)
     else:
         _generator(link, model_dir)
+    distributed.shutdown()
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:

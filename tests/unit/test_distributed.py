@@ -102,6 +102,51 @@ def test_backend_devices_of_a_real_gloo_group():
         dist.destroy_process_group()
 
 
+_ENDS_GROUPS = """
+import sys
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from nemo_disco import cli, distributed
+from nemo_disco.policy import megatron_model
+
+distributed.shutdown()  # no group yet: nothing to do
+assert cli.main(["convert", "--from-hf", sys.argv[1], "--out", sys.argv[2]]) == 0  # Megatron's groups on gloo
+print("after convert:", dist.is_initialized(), ps.model_parallel_is_initialized())
+megatron_model.init_parallel(1, 1)
+sub = distributed.new_gloo_group(1)
+assert distributed.all_reduce(torch.ones(2), group=sub).tolist() == [1.0, 1.0]
+distributed.shutdown()
+print("after shutdown:", dist.is_initialized(), ps.model_parallel_is_initialized())
+distributed.init_single_process()  # the caller's own group: a command called from Python leaves it
+assert cli.main(["convert", "--from-hf", sys.argv[1], "--out", sys.argv[2] + "-again"]) == 0
+print("caller's group:", dist.is_initialized())
+"""
+
+
+def test_shutdown_ends_every_group_and_a_finished_command_calls_it(tiny_qwen2, tmp_path):
+    """A gloo group alive at interpreter exit can abort a process that succeeded (SIGABRT, exit -6).
+
+    In a process of its own: the suite's in-process Megatron tests keep their groups.
+    """
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _ENDS_GROUPS, str(tiny_qwen2), str(tmp_path / "mcore")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "after convert: False False" in out.stdout
+    assert "after shutdown: False False" in out.stdout
+    assert "caller's group: True" in out.stdout
+
+
 @pytest.mark.parametrize(
     ("local_rank", "local_world", "count", "expected"),
     [

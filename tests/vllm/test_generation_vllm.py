@@ -296,6 +296,7 @@ def _tp_worker(model_dir: str, out_dir: str) -> None:
     }
     (Path(out_dir) / f"rank{env.rank}.json").write_text(json.dumps(record))
     gen.shutdown()
+    distributed.shutdown()
 
 
 if __name__ == "__main__":

@@ -317,6 +317,7 @@ def _worker(model_dir: str, out_dir: str, dtype: str) -> None:
         _trainer(link, model_dir, out_dir, dtype)
     else:
         _generator(link, model_dir, dtype)
+    distributed.shutdown()
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
