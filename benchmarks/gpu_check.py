@@ -906,6 +906,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.stage:  # a child: one stage, one JSON file
         (args.out / f"{args.stage}.json").write_text(json.dumps(run_stage(args.stage, args), indent=1, default=str))
+        if "nemo_disco.distributed" in sys.modules:  # the stage's groups end before the interpreter does
+            sys.modules["nemo_disco.distributed"].shutdown()
         return 0
     stages = [s for s in args.stages.split(",") if s]
     unknown = sorted(set(stages) - set(STAGES))
