@@ -282,13 +282,16 @@ def init_roles(trainer_world: int, generator_world: int, timeout_minutes: int = 
             timeout=timeout,
         )
     env = DistEnv(role_rank, role_world, info.local_rank, info.local_world_size, info.node_rank)
-    global _ROLE_ENV
+    global _ROLE_ENV, _LINK
     _ROLE_ENV = env
-    return role, env, Link(store, role, role_rank, generator_world, timeout)
+    _LINK = Link(store, role, role_rank, generator_world, timeout)
+    return role, env, _LINK
 
 
 #: This process's place in its role after :func:`init_roles` (None: the job is one role).
 _ROLE_ENV: DistEnv | None = None
+#: The link :func:`init_roles` made (closed by :func:`shutdown`).
+_LINK: Link | None = None
 
 
 def has_roles() -> bool:
@@ -361,6 +364,14 @@ class Link:
         pg.broadcast([buf], _root(0)).wait()
         return buf
 
+    def close(self) -> None:
+        """Shut down this process's directions (they are not in torch's registry: :func:`shutdown` calls this)."""
+        for pg in (self._up, self._down, self._down_cuda):
+            if pg is not None:
+                pg.shutdown()
+        self._down = self._down_cuda = self._up = None
+        self.down_member = self.up_member = False
+
     def _require(self, pg: Any, name: str) -> Any:
         if pg is None:
             raise RuntimeError(f"this process ({self.role}) is not a member of the link's {name} direction")
@@ -395,7 +406,7 @@ def new_gloo_group(timeout_minutes: int) -> Any:
 
 
 def shutdown() -> None:
-    """Destroy every process group of this process (Megatron's, vLLM's, the default one); nothing if there is none.
+    """Destroy every process group of this process (Megatron's, vLLM's, the link's, the default one), if any.
 
     Call it once a process is done with its collectives, before the interpreter exits. A gloo group that is still
     alive at exit is torn down during the interpreter's finalisation, and its worker threads can then end the
@@ -403,6 +414,10 @@ def shutdown() -> None:
     succeeded would exit -6. NCCL warns about the same omission. Megatron's ``parallel_state`` is reset first
     when it was imported, so it holds no destroyed groups.
     """
+    global _LINK, _ROLE_ENV
+    if _LINK is not None:
+        _LINK.close()
+        _LINK = _ROLE_ENV = None
     if not dist.is_initialized():
         return
     ps = sys.modules.get("megatron.core.parallel_state")

@@ -217,7 +217,10 @@ def _worker(model_dir: str, out_dir: str) -> None:
         _trainer(link, model_dir, out_dir, generator_world)
     else:
         _generator(link, model_dir)
-    distributed.shutdown()
+    distributed.shutdown()  # the link's groups too: a gloo group alive at exit can abort the process
+    assert not distributed.has_roles() and not distributed.is_initialized()
+    with pytest.raises(RuntimeError, match="not a member of the link's up direction"):
+        link.recv_up()
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
