@@ -70,8 +70,11 @@ THREADS_HELP = (
 )
 
 
-def bench_env(threads: int | None = None) -> dict[str, str]:
-    """Environment of a child run: offline, quiet, ``threads`` intra-op threads (None = leave torch's default)."""
+def bench_env(threads: int | None = None, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment of a child run: offline, quiet, ``threads`` intra-op threads (None = leave torch's default).
+
+    ``extra`` is set last (for example ``OMP_WAIT_POLICY``).
+    """
     env = {
         **os.environ,
         "TOKENIZERS_PARALLELISM": "false",
@@ -83,7 +86,7 @@ def bench_env(threads: int | None = None) -> dict[str, str]:
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
         env["MKL_NUM_THREADS"] = str(threads)
-    return env
+    return {**env, **(extra or {})}
 
 
 def set_threads(threads: int) -> int:
@@ -148,6 +151,7 @@ def run_child(
     *,
     timeout: float,
     threads: int | None = None,
+    env: dict[str, str] | None = None,
     quiet: bool = True,
     quiet_timeout_s: float = 60.0,
     quiet_max_busy: float = 0.5,
@@ -159,6 +163,7 @@ def run_child(
         args: its arguments.
         timeout: seconds before the child is killed.
         threads: OMP_NUM_THREADS of the child (None or 0: torch's default).
+        env: more environment variables of the child (set last).
         quiet: first wait (up to ``quiet_timeout_s``) until other processes use at most ``quiet_max_busy`` of
             the CPUs (default: they leave at least one of two cores idle).
         quiet_timeout_s: how long to wait for that before running anyway.
@@ -180,7 +185,7 @@ def run_child(
     ticks0, steal0 = _cpu_ticks()
     own0 = _children_cpu_s()
     t0 = time.perf_counter()
-    res = subprocess.run(cmd, capture_output=True, text=True, env=bench_env(threads), cwd=ROOT, timeout=timeout)
+    res = subprocess.run(cmd, capture_output=True, text=True, env=bench_env(threads, env), cwd=ROOT, timeout=timeout)
     wall = time.perf_counter() - t0
     ticks1, steal1 = _cpu_ticks()
     own = _children_cpu_s() - own0

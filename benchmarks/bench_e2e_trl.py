@@ -17,10 +17,11 @@ Kinds and their thread budget (``--cores``, default 2, the machine's two cores):
 - ``nd-grpo``, ``nd-disco``: synchronous nemo_disco (generate, grade, train in turn), one process with
   ``cores`` torch threads;
 - ``nd-disco-async``: DisCO with ``algorithm.async_rollouts=true``, ``max_staleness=1``: the trainer process
-  and one generator process of its own (as ``nemo-disco train`` spawns it), ``cores / 2`` threads each; step
-  t's rollouts are made while step t-1 trains. Its step time is the trainer's wall clock from one step's end
-  to the next (the generator works meanwhile in its process), in steady state (the warm-up steps, the
-  pipeline's fill among them, are not measured);
+  and one generator process of its own, sharing the cores as ``nemo-disco train`` shares them without a
+  launcher: the trainer ``cores`` threads, the generator ``cores / 2``, OpenMP's idle threads sleeping
+  (``OMP_WAIT_POLICY=passive``) instead of spinning; step t's rollouts are made while step t-1 trains. Its
+  step time is the trainer's wall clock from one step's end to the next (the generator works meanwhile in its
+  process), in steady state (the warm-up steps, the pipeline's fill among them, are not measured);
 - ``trl``: TRL's GRPOTrainer, one process with ``cores`` torch threads.
 
 Runs alternate in one process tree (a fresh child process per run: nd-grpo, nd-disco, nd-disco-async, trl,
@@ -49,6 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as C  # noqa: E402
 
+from nemo_disco import cli  # noqa: E402
+
 PROMPTS_PER_STEP = 16
 ROLLOUTS_PER_PROMPT = 8
 MAX_PROMPT_TOKENS = 32
@@ -59,14 +62,19 @@ ASYNC_OVERRIDES = ["algorithm.async_rollouts=true", "algorithm.max_staleness=1",
 
 
 def thread_budget(kind: str, cores: int) -> dict[str, int]:
-    """Torch threads of each process of ``kind`` on ``cores`` cores: the trainer's, and the generator's if apart."""
+    """Torch threads of each process of ``kind`` on ``cores`` cores: the trainer's, and the generator's if apart.
+
+    The asynchronous kind shares the cores as ``nemo-disco train`` does without a launcher (``cli.thread_shares``).
+    """
     if kind.endswith("-async"):
-        if cores < 2 or cores % 2:
-            raise ValueError(
-                f"{kind} splits the cores between trainer and generator: --cores must be even, got {cores}"
-            )
-        return {"trainer": cores // 2, "generator": cores // 2}
+        trainer, generator = cli.thread_shares(cores, 2)
+        return {"trainer": trainer, "generator": generator}
     return {"trainer": cores}
+
+
+def openmp_env(kind: str) -> dict[str, str]:
+    """OpenMP settings of ``kind``'s processes beyond their thread count: none, or the shared cores' wait policy."""
+    return {"OMP_WAIT_POLICY": cli.SHARED_CORES_WAIT_POLICY} if kind.endswith("-async") else {}
 
 
 def budget_label(budget: dict[str, int]) -> str:
@@ -340,6 +348,7 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
                         _child_args(kind, tokens, model_dir, args),
                         timeout=1800,
                         threads=threads,
+                        env=openmp_env(kind),
                         quiet_timeout_s=args.quiet_wait,
                         quiet_max_busy=args.max_others,
                     )

@@ -29,51 +29,18 @@ import datetime
 import os
 import sys
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+
+from nemo_disco.ranks import DistEnv, read_env  # noqa: F401  (re-exported: the package reads the layout here)
 
 #: A process group (None: the default group). Other modules annotate with this instead of importing
 #: ``torch.distributed``.
 Group = Any
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-
-
-@dataclass(frozen=True)
-class DistEnv:
-    """Where this process stands in the job."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    node_rank: int
-
-    @property
-    def is_main(self) -> bool:
-        """Rank 0 writes logs, metrics and plots."""
-        return self.rank == 0
-
-
-def read_env() -> DistEnv:
-    """Rank layout from torchrun (RANK, WORLD_SIZE, LOCAL_RANK, ...) or srun (SLURM_PROCID, SLURM_NTASKS, ...)."""
-    env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-        local_rank = int(env.get("LOCAL_RANK", 0))
-        local_world = int(env.get("LOCAL_WORLD_SIZE", world))
-        node_rank = int(env.get("GROUP_RANK", rank // max(local_world, 1)))
-    elif "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
-        rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
-        local_rank = int(env.get("SLURM_LOCALID", 0))
-        local_world = int(env.get("SLURM_NTASKS_PER_NODE", env.get("SLURM_TASKS_PER_NODE", "1")).split("(")[0])
-        node_rank = int(env.get("SLURM_NODEID", 0))
-    else:
-        rank, world, local_rank, local_world, node_rank = 0, 1, 0, 1, 0
-    return DistEnv(rank, world, local_rank, local_world, node_rank)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

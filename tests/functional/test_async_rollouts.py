@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -126,6 +127,38 @@ def test_async_without_generator_processes_is_a_one_line_error(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
     assert done.returncode == 2
     assert "cluster.generation_gpus_per_node" in done.stderr and "Traceback" not in done.stderr
+
+
+PROBE = """
+import json, os, torch
+
+def record(point, **info):  # the thread count each role trains or samples with, and how its OpenMP waits
+    if point in ("old_logprobs", "rollouts"):
+        with open(os.environ["PROBE_OUT"], "a") as f:
+            f.write(json.dumps([point, torch.get_num_threads(), os.environ.get("OMP_WAIT_POLICY")]) + "\\n")
+"""
+
+
+def test_without_a_launcher_the_trainer_takes_every_core_and_openmp_waits_passively(tmp_path):
+    """Each role's torch threads at work, and the spin count its OpenMP runtime reports as it loads."""
+    (tmp_path / "probe").mkdir()
+    (tmp_path / "probe" / "threads_probe.py").write_text(PROBE)
+    env = {k: v for k, v in trainer_env().items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "probe"), env["PYTHONPATH"]])
+    env["NEMO_DISCO_HOOKS"] += ",threads_probe:record"
+    env["PROBE_OUT"] = str(tmp_path / "probe.jsonl")
+    env["OMP_DISPLAY_ENV"] = "verbose"  # each process's OpenMP runtime prints its settings on stderr as it loads
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "nemo_disco.cli", "train", "--config", str(RECIPE), f"logging.run_dir={run}"]
+    done = run_group([*cmd, *RUN, *ASYNC, "algorithm.steps=2"], cwd=ROOT, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    cores = os.cpu_count() or 1
+    seen = {tuple(json.loads(line)) for line in (tmp_path / "probe.jsonl").read_text().splitlines()}
+    assert seen == {("old_logprobs", cores, "passive"), ("rollouts", max(1, cores // 2), "passive")}, seen
+    # Passive: no spinning (libgomp's default spins 300000 times before it sleeps). One runtime per role.
+    assert re.findall(r"GOMP_SPINCOUNT = '(\d+)'", done.stderr) == ["0", "0"], done.stderr[-3000:]
+    assert f"threads: trainer {cores}, generator {max(1, cores // 2)} each; OMP_WAIT_POLICY=passive" in done.stderr
+    assert [r["step"] for r in metrics(run)] == [1, 2]
 
 
 def test_sigusr1_saves_the_rollouts_made_ahead_stops_both_sides_and_resumes_exactly(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -105,3 +106,45 @@ def test_benchmark_lists_accept_spaces_and_version(tmp_path, capsys):
     for flag in ("--samples", "--temperature", "--top-p", "--max-tokens", "--backend", "--grader", "--seed", "--out"):
         assert flag in help_text
     assert help_text.count("default:") >= 12
+
+
+ASYNC_ONE_MACHINE = ["algorithm.async_rollouts=true", "cluster.generation_gpus_per_node=1"]
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "OMP_NUM_THREADS", "OMP_WAIT_POLICY")
+
+
+@pytest.fixture
+def bare_env(monkeypatch):
+    """No launcher and no OpenMP settings in the environment; torch's thread count restored afterwards."""
+    import torch
+
+    for name in LAUNCH_VARS:
+        monkeypatch.delenv(name, raising=False)
+    threads = torch.get_num_threads()
+    yield monkeypatch
+    torch.set_num_threads(threads)
+
+
+def test_async_without_a_launcher_gives_the_trainer_every_core_and_each_generator_its_share(bare_env):
+    import torch
+
+    cfg = config.load(str(RECIPE), ASYNC_ONE_MACHINE)
+    cores = os.cpu_count() or 1
+    assert cli._share_cores(cfg) == {"OMP_WAIT_POLICY": "passive", "OMP_NUM_THREADS": str(max(1, cores // 2))}
+    assert (os.environ["OMP_NUM_THREADS"], os.environ["OMP_WAIT_POLICY"]) == (str(cores), "passive")
+    assert torch.get_num_threads() == cores  # torch was loaded already here: the count still applies
+
+
+def test_the_users_openmp_settings_and_launched_or_synchronous_runs_are_left_alone(bare_env):
+    bare_env.setenv("OMP_NUM_THREADS", "3")
+    assert cli._share_cores(config.load(str(RECIPE), ASYNC_ONE_MACHINE)) == {"OMP_WAIT_POLICY": "passive"}
+    assert os.environ["OMP_NUM_THREADS"] == "3"
+    bare_env.setenv("OMP_WAIT_POLICY", "active")
+    assert cli._share_cores(config.load(str(RECIPE), ASYNC_ONE_MACHINE)) == {}
+    assert os.environ["OMP_WAIT_POLICY"] == "active"
+    for name in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY"):
+        bare_env.delenv(name)
+    assert cli._share_cores(config.load(str(RECIPE), [])) == {}  # synchronous: OpenMP's defaults
+    bare_env.setenv("RANK", "0")
+    bare_env.setenv("WORLD_SIZE", "2")  # torchrun started the generator's rank: nothing to share here
+    assert cli._share_cores(config.load(str(RECIPE), ASYNC_ONE_MACHINE)) == {}
+    assert "OMP_NUM_THREADS" not in os.environ and "OMP_WAIT_POLICY" not in os.environ
