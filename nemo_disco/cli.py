@@ -80,9 +80,8 @@ def _share_cores(cfg: config_lib.RunConfig) -> dict[str, str]:
     trainer takes every core, as a synchronous run does (on one machine its float results are then the
     synchronous run's); each generator process takes an equal share of the cores (at least one). The processes
     then hold more threads than there are cores, so OpenMP's idle threads sleep instead of spinning
-    (``OMP_WAIT_POLICY=passive``): a thread that spins at a barrier holds a core the other process needs. On the
-    2-core benchmark machine this made an asynchronous step 14% faster than one thread per process
-    (docs/benchmarks.md). A synchronous run on one process keeps OpenMP's defaults (spinning is what makes its
+    (``OMP_WAIT_POLICY=passive``): a thread that spins at a barrier holds a core the other process needs. A
+    synchronous run on one process keeps OpenMP's defaults (spinning is what makes its
     small one-token decoding ops fast). ``OMP_NUM_THREADS`` or ``OMP_WAIT_POLICY`` set by the user are kept.
 
     Returns:
