@@ -64,6 +64,13 @@ def _spawns_generators(cfg: config_lib.RunConfig) -> bool:
 SHARED_CORES_WAIT_POLICY = "passive"
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity (what taskset, a Slurm step or a container allows)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def thread_shares(cores: int, processes: int) -> tuple[int, int]:
     """Torch threads of the trainer and of each generator process when ``processes`` share ``cores`` cores.
 
@@ -89,7 +96,7 @@ def _share_cores(cfg: config_lib.RunConfig) -> dict[str, str]:
     """
     if not _spawns_generators(cfg):
         return {}
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     env = {}
     if "OMP_WAIT_POLICY" not in os.environ:
         os.environ["OMP_WAIT_POLICY"] = env["OMP_WAIT_POLICY"] = SHARED_CORES_WAIT_POLICY

@@ -24,7 +24,7 @@ import pytest
 from faults.faultlib import checkpoint_names, comparable, message, metrics, trainer_env
 from procs import FAST_TINY, free_port, run_group
 
-from nemo_disco import watchdog
+from nemo_disco import cli, watchdog
 
 pytestmark = pytest.mark.slow
 
@@ -152,7 +152,7 @@ def test_without_a_launcher_the_trainer_takes_every_core_and_openmp_waits_passiv
     cmd = [sys.executable, "-m", "nemo_disco.cli", "train", "--config", str(RECIPE), f"logging.run_dir={run}"]
     done = run_group([*cmd, *RUN, *ASYNC, "algorithm.steps=2"], cwd=ROOT, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    cores = os.cpu_count() or 1
+    cores = cli.usable_cores()
     seen = {tuple(json.loads(line)) for line in (tmp_path / "probe.jsonl").read_text().splitlines()}
     assert seen == {("old_logprobs", cores, "passive"), ("rollouts", max(1, cores // 2), "passive")}, seen
     # Passive: no spinning (libgomp's default spins 300000 times before it sleeps). One runtime per role.

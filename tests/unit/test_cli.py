@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -128,10 +130,25 @@ def test_async_without_a_launcher_gives_the_trainer_every_core_and_each_generato
     import torch
 
     cfg = config.load(str(RECIPE), ASYNC_ONE_MACHINE)
-    cores = os.cpu_count() or 1
+    cores = cli.usable_cores()
     assert cli._share_cores(cfg) == {"OMP_WAIT_POLICY": "passive", "OMP_NUM_THREADS": str(max(1, cores // 2))}
     assert (os.environ["OMP_NUM_THREADS"], os.environ["OMP_WAIT_POLICY"]) == (str(cores), "passive")
     assert torch.get_num_threads() == cores  # torch was loaded already here: the count still applies
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="CPU affinity is a Linux call")
+def test_the_cores_shared_are_those_the_process_may_run_on(tmp_path):
+    """A process pinned to one core (taskset, a Slurm step, a container) shares that core, not the machine's."""
+    code = (
+        "import os, sys; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))});"
+        "from nemo_disco import cli, config; print(cli.usable_cores(), os.cpu_count());"
+        f"print(cli._share_cores(config.load({str(RECIPE)!r}, {ASYNC_ONE_MACHINE!r})), os.environ['OMP_NUM_THREADS'])"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    cores, shares = out.splitlines()
+    assert cores == f"1 {os.cpu_count()}"  # one core usable on a machine of more
+    assert shares == "{'OMP_WAIT_POLICY': 'passive', 'OMP_NUM_THREADS': '1'} 1"
 
 
 def test_the_users_openmp_settings_and_launched_or_synchronous_runs_are_left_alone(bare_env):
