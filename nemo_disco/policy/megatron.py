@@ -108,11 +108,69 @@ def set_group_hyperparameters(groups: list[dict[str, Any]], lr: float, weight_de
         group["weight_decay"] = weight_decay * group.get("wd_mult", 1.0)
 
 
+# How the distributed optimizer lays out its checkpoint: "fully_reshardable" restores at any DP / TP / PP, as the
+# weights do (Megatron-LM passes this or "dp_reshardable"). Without it mcore picks the deprecated
+# "fully_sharded_model_space", whose flattened tensors its own checkpoint code refuses (0.16.1 and 0.19.2:
+# "ShardedTensor.flattened_range is not supported"), so a save with the distributed optimizer would fail.
+OPTIMIZER_CKPT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+def _torch_adams(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """The inner torch Adam / AdamW of each of mcore's optimizers (chained or not); none under TE or apex."""
+    inner = [getattr(opt, "optimizer", None) for opt in getattr(optimizer, "chained_optimizers", [optimizer])]
+    return [opt for opt in inner if isinstance(opt, torch.optim.Adam | torch.optim.AdamW)]
+
+
+def init_torch_adam_state(optimizer: Any) -> None:
+    """Zero moments and step 0 for every parameter of mcore's inner torch Adam that has no state yet.
+
+    Without Transformer Engine or apex, mcore's optimizers wrap ``torch.optim.AdamW``, which has no state before
+    its first step; the distributed optimizer's ``state_dict()`` (called by ``sharded_state_dict``, also when
+    loading) asserts that every parameter's state holds one common ``step`` (megatron-core 0.16.1 and 0.19.2
+    ``distrib_optimizer.py``), so a freshly built policy could not load a checkpoint. The state made here is
+    what AdamW's first step starts from (its next step is the same update, bitwise), and a load overwrites it.
+    A no-op under TE's or apex's FusedAdam.
+    """
+    for opt in _torch_adams(optimizer):
+        for group in opt.param_groups:
+            on_device = group.get("capturable") or group.get("fused")
+            for p in group["params"]:
+                if not opt.state[p]:
+                    opt.state[p] = {
+                        "step": torch.zeros((), dtype=torch.float32, device=p.device if on_device else None),
+                        "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                        "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    }
+
+
+def restore_adam_steps(optimizer: Any) -> None:
+    """Each parameter of mcore's inner torch Adam gets a step tensor of its own, set to the loaded step.
+
+    Without TE or apex, the distributed optimizer saves the common Adam step in its parameter groups
+    (``state_dict``) and, on load, hands every parameter one shared step tensor; its "dp_reshardable" parameter
+    state then copies into that tensor the step of the template built before the load (0 for a fresh
+    optimizer), so the resumed optimizer would restart its bias corrections (measured on CPU with 0.16.1:
+    weights off by 3e-4 after the next update). torch's Adam also increments each parameter's step in place, so a
+    shared tensor would count one update once per parameter. The groups' loaded ``step`` is the truth.
+    """
+    for opt in _torch_adams(optimizer):
+        for group in opt.param_groups:
+            step = group.get("step")
+            for p in group["params"]:
+                state = opt.state.get(p)
+                if state and isinstance(state.get("step"), torch.Tensor):
+                    value = state["step"] if step is None else torch.tensor(float(step))
+                    state["step"] = value.to(state["step"].device, torch.float32).clone()
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 
 
 class MegatronPolicy:
     """pi_theta as a Megatron-Core GPTModel shard (see the module docstring)."""
+
+    # Build Megatron's optimizer on the CPU too (tests of the GPU path's optimizer; they shim its CUDA checks).
+    MCORE_OPTIMIZER_ON_CPU = False
 
     def __init__(
         self,
@@ -142,6 +200,9 @@ class MegatronPolicy:
         self.run = run
         self.model_dir = Path(model_dir)
         self.on_gpu = torch.cuda.is_available()
+        # Megatron's optimizer (distributed when asked) on a GPU, torch's AdamW on the CPU; tests of the GPU
+        # path's optimizer set ``MCORE_OPTIMIZER_ON_CPU`` on a subclass.
+        self.mcore_optimizer = self.on_gpu or self.MCORE_OPTIMIZER_ON_CPU
         self.dtype = weights.DTYPES[pc.dtype]
         self.tp, self.pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
         self.spec = weights.ModelSpec.from_dir(self.model_dir)
@@ -230,7 +291,7 @@ class MegatronPolicy:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         pc = self.pc
-        dist_opt = self.on_gpu and pc.use_distributed_optimizer
+        dist_opt = self.mcore_optimizer and pc.use_distributed_optimizer
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=pc.overlap_grad_reduce,
@@ -262,7 +323,7 @@ class MegatronPolicy:
             self.model.enable_forward_pre_hook()
 
     def _build_optimizer(self) -> Any:
-        return self._build_megatron_optimizer() if self.on_gpu else self._build_torch_optimizer()
+        return self._build_megatron_optimizer() if self.mcore_optimizer else self._build_torch_optimizer()
 
     def _build_megatron_optimizer(self) -> Any:
         """Mcore's optimizer (distributed when ``policy.use_distributed_optimizer``); the GPU path.
@@ -284,7 +345,7 @@ class MegatronPolicy:
             bf16=self.dtype == torch.bfloat16,
             fp16=self.dtype == torch.float16,
             params_dtype=self.dtype,
-            use_distributed_optimizer=pc.use_distributed_optimizer and self.on_gpu,
+            use_distributed_optimizer=pc.use_distributed_optimizer and self.mcore_optimizer,
         )
         with cpu_compat.device_scope():  # tests build it on CPU to compare its groups with the CPU path's
             optimizer = get_megatron_optimizer(opt_config, [self.model])
@@ -470,7 +531,7 @@ class MegatronPolicy:
         surrogate = self.accumulate_gradients(batch, surrogate_fn, entropy=entropy)
         step_lr = lr_at(self.updates, self.pc, self.total_updates) if lr is None else lr
         clip = self.pc.grad_clip
-        if self.on_gpu:
+        if self.mcore_optimizer:
             grad_norm, skipped = self._step_megatron(step_lr, clip, surrogate)
         else:
             grad_norm, skipped = self._step_torch(step_lr, clip, surrogate)
@@ -583,8 +644,9 @@ class MegatronPolicy:
 
     def _optimizer_sharded_state_dict(self, is_loading: bool) -> dict[str, Any]:
         model_sd = self.gpt.sharded_state_dict()
-        if self.on_gpu:
-            return self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+        if self.mcore_optimizer:
+            init_torch_adam_state(self.optimizer)
+            return self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=OPTIMIZER_CKPT_METADATA)
         from megatron.core.dist_checkpointing.optimizer import (
             get_param_id_to_sharded_param_map,
             optim_state_to_sharding_state,
@@ -653,17 +715,20 @@ class MegatronPolicy:
         meta = read_checkpoint_meta(directory)
         self._check_meta(meta, directory)
         load_model_checkpoint(self.gpt, directory / "model")
-        if self.on_gpu:
+        if self.mcore_optimizer:
             self.optimizer.reload_model_params()
         if (directory / "optimizer").is_dir():
             with cpu_compat.device_scope():
                 template = self._optimizer_sharded_state_dict(is_loading=True)
                 state = dist_checkpointing.load(template, str(directory / "optimizer"))
-            if not self.on_gpu:
+            if not self.mcore_optimizer:
                 step = state["state"].pop("common_step")
                 for s in state["state"].values():
                     s["step"] = torch.tensor(float(step), dtype=torch.float32)
-            self.optimizer.load_state_dict(state)
+            with torch.no_grad():  # the distributed optimizer copies into views of the fp32 parameters
+                self.optimizer.load_state_dict(state)
+            if self.mcore_optimizer:
+                restore_adam_steps(self.optimizer)
         self.updates = int(meta.get("updates", 0))
 
     def offload(self, *, weights: bool = True) -> None:
