@@ -708,7 +708,12 @@ class MegatronPolicy:
         }
 
     def load(self, directory: Path) -> None:
-        """Collective: restore what :meth:`save` wrote (at any TP / PP), or the weights of a weights-only dir."""
+        """Collective: restore what :meth:`save` wrote, or the weights of a weights-only dir.
+
+        Weights restore at any TP / PP. The optimizer state does too on the CPU path; Megatron's distributed
+        optimizer saves it as "dp_reshardable" (:data:`OPTIMIZER_CKPT_METADATA`), restored at the same TP / PP and
+        any data-parallel size.
+        """
         from megatron.core import dist_checkpointing
 
         directory = Path(directory)
