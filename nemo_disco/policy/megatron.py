@@ -164,14 +164,13 @@ class MegatronPolicy:
         self.layer_spec = LAYER_SPECS[0] if self.use_te else LAYER_SPECS[1]
         self.packed = self.use_te  # THD packing needs TE attention
         self.temperature = run.temperature
-        recompute = pc.activation_checkpointing
         self.tf_config = transformer_config(
             self.spec,
             tp=self.tp,
             pp=self.pp,
             dtype=self.dtype,
             use_te=self.use_te,
-            recompute=recompute,
+            recompute=pc.activation_checkpointing,
             ep=self.ep,
             router_dtype=pc.router_dtype,
             sequence_parallel=pc.sequence_parallel,
@@ -195,7 +194,9 @@ class MegatronPolicy:
         self.balance = None
         if self.spec.is_moe:
             sp_group = ps.get_tensor_model_parallel_group() if self.tf_config.sequence_parallel else None
-            self.balance = RouterBalance(self.gpt, self.spec, pc.router_aux_loss_coef, recompute, sp_group)
+            # Only full recomputation runs the routers twice (selective recomputes the core attention alone).
+            full = pc.activation_checkpointing == "full"
+            self.balance = RouterBalance(self.gpt, self.spec, pc.router_aux_loss_coef, full, sp_group)
         if trainable:
             self.model = self._wrap_ddp()
             self.optimizer = self._build_optimizer()
