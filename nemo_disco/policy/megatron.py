@@ -111,6 +111,22 @@ def set_group_hyperparameters(groups: list[dict[str, Any]], lr: float, weight_de
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+def _to_host(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """Copies of ``tensors`` on the host: from a GPU into pinned memory without blocking, then one synchronize."""
+    if not any(t is not None and t.is_cuda for t in tensors):
+        return tuple(None if t is None else t.cpu() for t in tensors)
+    out = []
+    for t in tensors:
+        if t is None:
+            out.append(None)
+            continue
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        out.append(host)
+    torch.cuda.current_stream().synchronize()
+    return tuple(out)
+
+
 class MegatronPolicy:
     """pi_theta as a Megatron-Core GPTModel shard (see the module docstring)."""
 
@@ -417,7 +433,7 @@ class MegatronPolicy:
         self._broadcast_from_last_stage(lp_all)
         if ent_all is not None:
             self._broadcast_from_last_stage(ent_all)
-        return lp_all.cpu(), (ent_all.cpu() if ent_all is not None else None)
+        return _to_host(lp_all, ent_all)
 
     def accumulate_gradients(self, batch: RolloutBatch, surrogate_fn: SurrogateFn, *, entropy: bool = False) -> float:
         """Zero the gradients, then backward of the summed surrogate over micro-batches and DP ranks (no step).
