@@ -380,6 +380,8 @@ def _eval(args: argparse.Namespace) -> int:
             timeout_s=args.timeout,
             workers=args.workers,
             tensor_parallel_size=args.tp,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            enforce_eager=args.enforce_eager,
             replicates=args.bootstrap,
             bootstrap_seed=args.bootstrap_seed,
             resample_samples=not args.bootstrap_problems_only,
@@ -565,6 +567,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="vLLM tensor-parallel size: GPUs per engine; under torchrun / srun with one process per GPU the job "
         "runs (processes / TP) data-parallel engines (default: %(default)s)",
+    )
+    e.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=config_lib.OWN_GPU_MEMORY_UTILIZATION,
+        help="vLLM's share of each GPU, which the evaluation has to itself (default: %(default)s)",
+    )
+    e.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="vLLM without CUDA graphs: a faster start, slower decoding (default: graphs on)",
     )
     e.add_argument(
         "--chunk-problems",

@@ -17,15 +17,22 @@ import difflib
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
     """A recipe or override is invalid. The message is a single line naming the key."""
 
+
+#: vLLM's share of a GPU it shares with the colocated policy: the engine is awake only while the policy's weights,
+#: gradients and optimizer state are offloaded, but the CUDA context, NCCL buffers and the caching allocator's
+#: leftovers of the trainer stay (NeMo-RL's colocated grpo_math_1B.yaml: 0.6 as well).
+COLOCATED_GPU_MEMORY_UTILIZATION = 0.6
+#: vLLM's share of a GPU of its own: an asynchronous run's generator, ``nemo-disco eval`` (vLLM's own default).
+OWN_GPU_MEMORY_UTILIZATION = 0.9
 
 #: The repository's recipes folder: the second place a recipe's ``defaults:`` entries are looked for.
 SHIPPED_RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -92,7 +99,10 @@ class PolicyConfig(_Section):
     router_aux_loss_coef: float = Field(0.0, ge=0)
     # Precision of the router's logits and softmax in the Megatron MoE layer (NeMo-RL: fp64).
     router_dtype: Literal["float32", "float64"] = "float64"
-    activation_checkpointing: bool = False
+    # Activation recomputation in the backward: false = none (every layer's activations kept), "selective" = the
+    # core attention only (Megatron: recompute_modules ["core_attn"]; the transformers policy refuses it), "full" =
+    # every layer from its input. true is read as "full" (the key was a boolean before).
+    activation_checkpointing: Literal[False, "selective", "full"] = False
     # Tokens per micro-batch in the backward pass (pass 2); any value gives the same gradient.
     microbatch_tokens: int = Field(16384, ge=1)
     # Sequence chunk (tokens) of the vocab-parallel log-prob / entropy computation.
@@ -126,6 +136,11 @@ class PolicyConfig(_Section):
     # its attention is quadratic in memory).
     transformer_engine: bool | Literal["auto"] = "auto"
 
+    @field_validator("activation_checkpointing", mode="before")
+    @classmethod
+    def _true_is_full(cls, value: Any) -> Any:
+        return "full" if value is True else value
+
 
 class GenerationConfig(_Section):
     """The rollout generator (vLLM colocated, or transformers generate)."""
@@ -137,10 +152,17 @@ class GenerationConfig(_Section):
     max_prompt_tokens: int = Field(1024, ge=1)
     max_response_tokens: int = Field(8192, ge=1)
     tensor_parallel_size: int = Field(1, ge=1)
-    gpu_memory_utilization: float = Field(0.6, gt=0, le=1)
-    enforce_eager: bool = True
+    # vLLM's share of its GPU (weights, KV cache, CUDA graphs). "auto": COLOCATED_GPU_MEMORY_UTILIZATION in a
+    # synchronous run (the engine shares the trainer's GPU), OWN_GPU_MEMORY_UTILIZATION for an asynchronous run's
+    # generator (a GPU of its own); RunConfig.engine_gpu_memory_utilization resolves it.
+    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] | Literal["auto"] = "auto"
+    # false: vLLM captures CUDA graphs for decoding (the fast path); true: eager PyTorch only.
+    enforce_eager: bool = False
     max_num_batched_tokens: int | None = Field(None, ge=1)
-    sleep_level: Literal[0, 1, 2] = 1
+    # vLLM sleep mode between a colocated engine's generations: 2 = weights and KV cache dropped (the refit after
+    # every wake rewrites every weight), 1 = weights copied to host memory and back, 0 = no sleep mode. "auto": 2
+    # in a synchronous run, 0 for an asynchronous run's generator (it never sleeps); RunConfig.engine_sleep_level.
+    sleep_level: Literal[0, 1, 2, "auto"] = "auto"
     refit_bucket_mb: int = Field(512, ge=1)
     # Generator batch for the transformers backend (sequences decoded together).
     hf_batch_size: int = Field(64, ge=1)
@@ -338,6 +360,11 @@ class RunConfig(_Section):
                 f"generation.tensor_parallel_size={g.tensor_parallel_size} needs generation.backend=vllm "
                 "(the transformers generator runs one engine per process)"
             )
+        if p.backend == "hf" and p.activation_checkpointing == "selective":
+            raise ValueError(
+                "policy.activation_checkpointing=selective needs policy.backend=megatron (the transformers policy "
+                "checkpoints whole layers only: use full or false)"
+            )
         if p.backend == "megatron" and p.transformer_engine is True and p.dtype == "float32":
             raise ValueError(
                 "policy.transformer_engine=true needs policy.dtype bfloat16 or float16 (Transformer Engine has no "
@@ -412,6 +439,29 @@ class RunConfig(_Section):
         if self.loss.rollout_correction == "auto":
             return "seq_tis" if self.algorithm.async_rollouts else "none"
         return self.loss.rollout_correction
+
+    @property
+    def engine_gpu_memory_utilization(self) -> float:
+        """``generation.gpu_memory_utilization`` with ``auto`` resolved.
+
+        Asynchronous rollouts: the generator's GPU is its own (0.9); synchronous: the trainer's (0.6).
+        """
+        share = self.generation.gpu_memory_utilization
+        if share == "auto":
+            return OWN_GPU_MEMORY_UTILIZATION if self.algorithm.async_rollouts else COLOCATED_GPU_MEMORY_UTILIZATION
+        return share
+
+    @property
+    def engine_sleep_level(self) -> Literal[0, 1, 2]:
+        """``generation.sleep_level`` with ``auto`` resolved.
+
+        0 for an asynchronous run's generator (it never sleeps); 2 for a colocated one (every wake is followed by a
+        refit of every weight: nothing to keep).
+        """
+        level = self.generation.sleep_level
+        if level == "auto":
+            return 0 if self.algorithm.async_rollouts else 2
+        return level
 
     @property
     def world_size(self) -> int:

@@ -224,6 +224,13 @@ def placeholder_stats(loss: losses.Loss, batch: RolloutBatch) -> Tensor:
         )
 
 
+def _to_host(value: Tensor | None, shape: tuple[int, int]) -> Tensor:
+    """``value`` as float64 on the host; zeros of ``shape`` when no micro-batch filled it."""
+    if value is None:
+        return torch.zeros(shape, dtype=torch.float64)
+    return value.to("cpu", torch.float64)
+
+
 def _one_pass(
     policy: Policy,
     loss: losses.Loss,
@@ -239,9 +246,16 @@ def _one_pass(
     template = placeholder_stats(loss, full)  # [N, K]
     stats_local = torch.full((n, template.shape[1]), math.nan, dtype=torch.float64)
     make_old = first_update and local.old_logprobs is None
-    old_out = torch.zeros((n, width), dtype=torch.float64) if make_old else None
     want_entropy = loss.needs_entropy or (make_old and entropy_metric)
-    ent_out = torch.zeros((n, width), dtype=torch.float64) if make_old and want_entropy else None
+    # pi_old's log-probs and entropy stay on the policy's device until the pass ends: one copy to the host per
+    # mini-batch, not one blocking copy per micro-batch (fp32 -> fp64 is exact either way).
+    kept: dict[str, Tensor] = {}
+
+    def keep(name: str, idx: Tensor, value: Tensor) -> None:
+        if name not in kept:
+            kept[name] = torch.zeros((n, width), dtype=value.dtype, device=value.device)
+        kept[name][idx.to(value.device)] = value.detach()
+
     make_weights = make_old and correction.weighted
     w_full = None
     if mb.weights is not None:
@@ -257,9 +271,9 @@ def _one_pass(
         mask = sub.response_mask.to(dev)
         if make_old:
             old = lp.detach()  # pi_theta = pi_old exactly: every KL estimate is 0
-            old_out[idx] = old.to("cpu", torch.float64)
-            if ent_out is not None and ent is not None:
-                ent_out[idx] = ent.detach().to("cpu", torch.float64)
+            keep("old", idx, old)
+            if want_entropy and ent is not None:
+                keep("entropy", idx, ent)
         else:
             old = sub.old_logprobs.to(dev)
         ref = sub.ref_logprobs.to(dev) if sub.ref_logprobs is not None else None
@@ -284,6 +298,10 @@ def _one_pass(
         return losses.surrogate(c.to(dev, st.dtype), st)
 
     out = policy.train_minibatch(local, surrogate_fn, entropy=want_entropy)
+    old_out = ent_out = None
+    if make_old:
+        old_out = _to_host(kept.get("old"), (n, width))
+        ent_out = _to_host(kept.get("entropy"), (n, width)) if want_entropy else None
     # The mini-batch's loss and metrics, from the statistics the pass computed (and its weights).
     cols = [stats_local] if w_local is None else [stats_local, w_local[:, None]]
     gathered = _gather(torch.cat(cols, dim=1), policy)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from nemo_disco.config import OWN_GPU_MEMORY_UTILIZATION
 from nemo_disco.data import DEFAULT_TEMPLATE, encode_prompts, quiet_hub_logs
 from nemo_disco.evaluation.records import (
     RESPONSES_FILE,
@@ -158,6 +159,8 @@ def evaluate_model(
     timeout_s: float = 5.0,
     workers: int = 2,
     tensor_parallel_size: int = 1,
+    gpu_memory_utilization: float = OWN_GPU_MEMORY_UTILIZATION,
+    enforce_eager: bool = False,
     generator: Any | None = None,
     replicates: int = DEFAULT_REPLICATES,
     bootstrap_seed: int = 0,
@@ -199,6 +202,8 @@ def evaluate_model(
         timeout_s: per-item grading limit.
         workers: grading processes (per engine).
         tensor_parallel_size: vLLM tensor parallelism (processes per engine).
+        gpu_memory_utilization: vLLM's share of each GPU (the engine has it to itself: no sleep mode).
+        enforce_eager: vLLM without CUDA graphs (slower decoding; a way round a graph capture problem).
         generator: an already built Generator (then ``backend`` is unused and it is not shut down here).
         replicates: bootstrap replicates of the intervals (0: none).
         bootstrap_seed: bootstrap seed.
@@ -306,7 +311,12 @@ def evaluate_model(
     own = generator is None and bool(todo)
     if own:
         generator = build_generator(
-            model_dir, backend, seed=seed, max_model_len=longest + max_tokens, tensor_parallel_size=tensor_parallel_size
+            model_dir,
+            backend,
+            seed=seed,
+            max_model_len=longest + max_tokens,
+            tensor_parallel_size=tensor_parallel_size,
+            engine={"gpu_memory_utilization": gpu_memory_utilization, "enforce_eager": enforce_eager, "sleep_level": 0},
         )
     sampling = SamplingParams(
         temperature=temperature,

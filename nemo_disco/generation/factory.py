@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from nemo_disco.config import GenerationConfig, RunConfig
@@ -20,19 +21,21 @@ def build_generator(
     tensor_parallel_size: int,
     dtype: str | None = None,
     settings: GenerationConfig | None = None,
+    engine: Mapping[str, Any] | None = None,
 ) -> Generator:
     """The generator of ``backend`` on the Hugging Face folder ``model_dir``.
 
     Args:
-        model_dir: the model folder (its tokenizer and config; its weights too when ``settings`` is None).
+        model_dir: the model folder (its tokenizer and config; its weights too unless ``engine`` loads dummy ones).
         backend: "hf" (transformers) or "vllm".
         seed: the vLLM engine's seed (transformers samples with each call's seed only).
         max_model_len: the vLLM engine's prompt + response limit.
         tensor_parallel_size: ranks per vLLM engine (a transformers engine is one process).
         dtype: the weights' dtype; None: the backend's default.
-        settings: a training run's ``generation`` section: the engine's settings, and vLLM starts on dummy
-            weights (the policy's arrive with the first refit). None (evaluation): the backend's defaults, and
-            the folder's weights.
+        settings: a training run's ``generation`` section (the transformers engine's batch and decoding);
+            None: the backend's defaults.
+        engine: more ``VLLMGenerator`` keyword arguments (vLLM only): :func:`run_engine_options` for a training
+            run's engine; None: ``VLLMGenerator``'s defaults, an engine with its GPU to itself (evaluation).
 
     Raises:
         ValueError: an unknown ``backend``.
@@ -48,18 +51,28 @@ def build_generator(
         return HFGenerator(model_dir, **options)
     from nemo_disco.generation.vllm import VLLMGenerator
 
-    if settings is not None:
-        options.update(
-            gpu_memory_utilization=settings.gpu_memory_utilization,
-            enforce_eager=settings.enforce_eager,
-            max_num_batched_tokens=settings.max_num_batched_tokens,
-            sleep_level=settings.sleep_level,
-            load_format="dummy",
-            refit_bucket_mb=settings.refit_bucket_mb,
-        )
+    options.update(engine or {})
     return VLLMGenerator(
         model_dir, tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len, seed=seed, **options
     )
+
+
+def run_engine_options(cfg: RunConfig) -> dict[str, Any]:
+    """A training run's ``VLLMGenerator`` settings.
+
+    Its ``generation`` section, the ``auto`` values resolved by the generator's place
+    (``RunConfig.engine_gpu_memory_utilization`` / ``engine_sleep_level``), and dummy weights (the policy's arrive
+    with the first refit).
+    """
+    g = cfg.generation
+    return {
+        "gpu_memory_utilization": cfg.engine_gpu_memory_utilization,
+        "enforce_eager": g.enforce_eager,
+        "max_num_batched_tokens": g.max_num_batched_tokens,
+        "sleep_level": cfg.engine_sleep_level,
+        "load_format": "dummy",
+        "refit_bucket_mb": g.refit_bucket_mb,
+    }
 
 
 def build_run_generator(cfg: RunConfig, model_dir: str | os.PathLike) -> Generator:
@@ -73,6 +86,7 @@ def build_run_generator(cfg: RunConfig, model_dir: str | os.PathLike) -> Generat
         tensor_parallel_size=g.tensor_parallel_size,
         dtype=cfg.policy.dtype,
         settings=g,
+        engine=run_engine_options(cfg),
     )
 
 

@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 
 from nemo_disco import distributed
-from nemo_disco.config import ConfigError
+from nemo_disco.config import OWN_GPU_MEMORY_UTILIZATION, ConfigError
 from nemo_disco.generation.base import Rollout, SamplingParams, buckets
 from nemo_disco.generation.hf import WeightSpec, trim_at_stop
 from nemo_disco.weights import checkpoint_shapes
@@ -124,8 +124,9 @@ class VLLMGenerator:
     Args:
         model_dir: Hugging Face folder (config, tokenizer, and the weights unless ``load_format="dummy"``).
         tensor_parallel_size: GPUs (processes) per engine.
-        gpu_memory_utilization: fraction of the GPU the engine may take (weights + KV cache).
-        enforce_eager: no CUDA graphs (faster start, less memory; the training default).
+        gpu_memory_utilization: fraction of the GPU the engine may take (weights, KV cache, CUDA graphs); the
+            default is for an engine with its GPU to itself (a colocated one takes less: ``nemo_disco.config``).
+        enforce_eager: no CUDA graphs (a faster start and a little less memory, slower decoding).
         max_model_len: prompt + response tokens (None: the model's).
         max_num_batched_tokens: scheduler budget per engine step (None: vLLM's).
         sleep_level: 0 = no sleep mode; 1 = sleep offloads weights, drops the KV cache; 2 = drops both.
@@ -143,8 +144,8 @@ class VLLMGenerator:
         model_dir: str | Path,
         *,
         tensor_parallel_size: int = 1,
-        gpu_memory_utilization: float = 0.6,
-        enforce_eager: bool = True,
+        gpu_memory_utilization: float = OWN_GPU_MEMORY_UTILIZATION,
+        enforce_eager: bool = False,
         max_model_len: int | None = None,
         max_num_batched_tokens: int | None = None,
         sleep_level: int = 0,

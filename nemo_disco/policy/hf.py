@@ -16,7 +16,7 @@ import torch
 
 from nemo_disco import distributed, files, weights
 from nemo_disco.batch import RolloutBatch, split_microbatches
-from nemo_disco.config import PolicyConfig, RunConfig
+from nemo_disco.config import ConfigError, PolicyConfig, RunConfig
 from nemo_disco.policy import hf_forward
 from nemo_disco.policy.base import RunValues, SurrogateFn
 from nemo_disco.policy.schedule import lr_at
@@ -67,6 +67,11 @@ class HFPolicy:
         """
         from transformers import AutoModelForCausalLM
 
+        if pc.activation_checkpointing == "selective":  # also refused when a RunConfig loads
+            raise ConfigError(
+                "policy.activation_checkpointing=selective needs policy.backend=megatron (the transformers policy "
+                "checkpoints whole layers only: use full or false)"
+            )
         self.pc = pc
         self.model_dir = Path(model_dir)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
@@ -74,7 +79,7 @@ class HFPolicy:
         self.model = AutoModelForCausalLM.from_pretrained(
             str(model_dir), dtype=weights.DTYPES[pc.dtype], attn_implementation="sdpa"
         ).to(self.device)
-        if pc.activation_checkpointing:
+        if pc.activation_checkpointing == "full":
             enable = (
                 getattr(self.model, "activation_checkpointing_enable", None) or self.model.gradient_checkpointing_enable
             )
@@ -117,7 +122,7 @@ class HFPolicy:
         positions = batch.position_ids.to(self.device)
         if self.forward_path == "modules":
             logits = hf_forward.logits(
-                self.model, ids, mask, positions, activation_checkpointing=self.pc.activation_checkpointing
+                self.model, ids, mask, positions, activation_checkpointing=self.pc.activation_checkpointing == "full"
             )
         else:
             logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits

@@ -166,6 +166,22 @@ def restore_adam_steps(optimizer: Any) -> None:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+def _to_host(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """Copies of ``tensors`` on the host: from a GPU into pinned memory without blocking, then one synchronize."""
+    if not any(t is not None and t.is_cuda for t in tensors):
+        return tuple(None if t is None else t.cpu() for t in tensors)
+    out = []
+    for t in tensors:
+        if t is None:
+            out.append(None)
+            continue
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        out.append(host)
+    torch.cuda.current_stream().synchronize()
+    return tuple(out)
+
+
 class MegatronPolicy:
     """pi_theta as a Megatron-Core GPTModel shard (see the module docstring)."""
 
@@ -225,14 +241,13 @@ class MegatronPolicy:
         self.layer_spec = LAYER_SPECS[0] if self.use_te else LAYER_SPECS[1]
         self.packed = self.use_te  # THD packing needs TE attention
         self.temperature = run.temperature
-        recompute = pc.activation_checkpointing
         self.tf_config = transformer_config(
             self.spec,
             tp=self.tp,
             pp=self.pp,
             dtype=self.dtype,
             use_te=self.use_te,
-            recompute=recompute,
+            recompute=pc.activation_checkpointing,
             ep=self.ep,
             router_dtype=pc.router_dtype,
             sequence_parallel=pc.sequence_parallel,
@@ -256,7 +271,9 @@ class MegatronPolicy:
         self.balance = None
         if self.spec.is_moe:
             sp_group = ps.get_tensor_model_parallel_group() if self.tf_config.sequence_parallel else None
-            self.balance = RouterBalance(self.gpt, self.spec, pc.router_aux_loss_coef, recompute, sp_group)
+            # Only full recomputation runs the routers twice (selective recomputes the core attention alone).
+            full = pc.activation_checkpointing == "full"
+            self.balance = RouterBalance(self.gpt, self.spec, pc.router_aux_loss_coef, full, sp_group)
         if trainable:
             self.model = self._wrap_ddp()
             self.optimizer = self._build_optimizer()
@@ -477,7 +494,7 @@ class MegatronPolicy:
         self._broadcast_from_last_stage(lp_all)
         if ent_all is not None:
             self._broadcast_from_last_stage(ent_all)
-        return lp_all.cpu(), (ent_all.cpu() if ent_all is not None else None)
+        return _to_host(lp_all, ent_all)
 
     def accumulate_gradients(self, batch: RolloutBatch, surrogate_fn: SurrogateFn, *, entropy: bool = False) -> float:
         """Zero the gradients, then backward of the summed surrogate over micro-batches and DP ranks (no step).

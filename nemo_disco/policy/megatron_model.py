@@ -60,7 +60,7 @@ def te_import_error() -> str | None:
 #: What to do when a GPU run cannot use Transformer Engine (the local spec's attention is quadratic in memory).
 TE_REMEDY = (
     "install transformer-engine (the NGC PyTorch container ships it), or set policy.transformer_engine=false "
-    "with policy.activation_checkpointing=true for short sequences only: the local layer spec materialises "
+    "with policy.activation_checkpointing=full for short sequences only: the local layer spec materialises "
     "[heads, S, S] attention scores in every layer and runs out of memory at 8k-16k tokens"
 )
 
@@ -253,7 +253,7 @@ def transformer_config(
     pp: int,
     dtype: torch.dtype,
     use_te: bool,
-    recompute: bool,
+    recompute: bool | Literal["selective", "full"],
     ep: int = 1,
     router_dtype: str = "float64",
     sequence_parallel: bool = False,
@@ -269,13 +269,19 @@ def transformer_config(
     ``megatron_moe.RouterBalance``), and sequence parallelism at TP > 1 (which mcore's MoE layer requires for training).
     Dense models use sequence parallelism at TP > 1 when ``sequence_parallel`` (``policy.sequence_parallel``).
     ``moe_permute_fusion``: TE's fused token permutation, used only where it imports (the TE spec on a GPU).
+    ``recompute`` (``policy.activation_checkpointing``): False = none; "selective" = mcore's selective recomputation
+    of the core attention (its default ``recompute_modules``); "full" (or True) = every layer from its input.
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     on_gpu = torch.cuda.is_available()
     extra: dict[str, Any] = fusion_flags(on_gpu, use_te)
-    if recompute:
+    if recompute == "selective":
+        extra.update(recompute_granularity="selective")
+    elif recompute in (True, "full"):
         extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    elif recompute is not False:
+        raise ValueError(f"recompute={recompute!r}: expected False, 'selective' or 'full'")
     if spec.is_moe:
         extra.update(
             num_moe_experts=spec.num_experts,

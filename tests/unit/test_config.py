@@ -294,3 +294,37 @@ def test_the_readmes_training_examples_each_have_their_own_run_folder():
         run_dir = config.load(ROOT / recipe, overrides).logging.run_dir
         assert run_dir not in folders.values(), (line, folders)
         folders[line] = run_dir
+
+
+def test_activation_checkpointing_is_false_selective_or_full_and_true_reads_as_full(tmp_path):
+    base = [f"logging.run_dir={tmp_path}"]
+    assert config.load(EXEMPLAR, base).policy.activation_checkpointing is False
+    assert (
+        config.load(EXEMPLAR, [*base, "policy.activation_checkpointing=true"]).policy.activation_checkpointing == "full"
+    )
+    assert config.load(
+        EXEMPLAR, [*base, "policy.activation_checkpointing=selective"]
+    ).policy.activation_checkpointing == ("selective")
+    with pytest.raises(config.ConfigError, match=r"^policy.activation_checkpointing='layers': Input should be"):
+        config.load(EXEMPLAR, [*base, "policy.activation_checkpointing=layers"])
+    with pytest.raises(
+        config.ConfigError, match=r"^policy.activation_checkpointing=selective needs policy.backend=megatron"
+    ):
+        config.load(EXEMPLAR, [*base, "policy.activation_checkpointing=selective", "policy.backend=hf"])
+
+
+def test_engine_share_and_sleep_level_resolve_by_where_the_generator_runs(tmp_path):
+    base = [f"logging.run_dir={tmp_path}"]
+    sync = config.load(EXEMPLAR, base)
+    assert (sync.generation.gpu_memory_utilization, sync.generation.sleep_level) == ("auto", "auto")
+    assert (sync.engine_gpu_memory_utilization, sync.engine_sleep_level) == (config.COLOCATED_GPU_MEMORY_UTILIZATION, 2)
+    assert sync.generation.enforce_eager is False
+    layout = ["algorithm.async_rollouts=true", "cluster.generation_gpus_per_node=2", "cluster.gpus_per_node=6"]
+    layout += ["algorithm.prompts_per_step=96", "algorithm.minibatch_prompts=24"]
+    asynchronous = config.load(EXEMPLAR, [*base, *layout])
+    assert asynchronous.engine_gpu_memory_utilization == config.OWN_GPU_MEMORY_UTILIZATION == 0.9
+    assert asynchronous.engine_sleep_level == 0
+    stated = config.load(EXEMPLAR, [*base, "generation.gpu_memory_utilization=0.5", "generation.sleep_level=1"])
+    assert (stated.engine_gpu_memory_utilization, stated.engine_sleep_level) == (0.5, 1)
+    with pytest.raises(config.ConfigError, match=r"generation.gpu_memory_utilization"):
+        config.load(EXEMPLAR, [*base, "generation.gpu_memory_utilization=1.5"])

@@ -117,3 +117,13 @@ def test_save_load_round_trip(tiny_qwen2, tmp_path):
         p_.train_minibatch(_batch(seed=3), lambda rows, lp, ent: -lp.sum())
     for (n, a), (_, b) in zip(policy.export_weights(), other.export_weights(), strict=True):
         assert torch.equal(a, b), n
+
+
+def test_selective_recomputation_is_refused_in_one_line_and_full_checkpoints_every_layer(tiny_qwen2):
+    from nemo_disco.policy.base import RunValues
+
+    run = RunValues.of(config.RunConfig())
+    with pytest.raises(config.ConfigError, match=r"^policy.activation_checkpointing=selective needs policy.backend"):
+        HFPolicy(config.PolicyConfig(backend="hf", activation_checkpointing="selective"), tiny_qwen2, run)
+    full = HFPolicy(config.PolicyConfig(backend="hf", activation_checkpointing=True, dtype="float32"), tiny_qwen2, run)
+    assert full.pc.activation_checkpointing == "full" and full.model.is_gradient_checkpointing

@@ -173,3 +173,24 @@ def test_gpu_defaults_sequence_parallel_at_tp_and_permute_fusion_only_where_it_i
     cfg = mm.transformer_config(moe, tp=2, sequence_parallel=False, moe_permute_fusion=True, **common)
     assert cfg.moe_permute_fusion is False and cfg.sequence_parallel is True
     assert mm.fused_permute_imports() is False
+
+
+@pytest.mark.parametrize(
+    ("setting", "granularity", "method", "layers"),
+    [
+        (False, None, None, None),
+        ("selective", "selective", None, None),  # mcore's default recompute_modules: the core attention only
+        ("full", "full", "uniform", 1),
+        (True, "full", "uniform", 1),  # the key's old boolean form
+    ],
+)
+def test_activation_checkpointing_reaches_the_transformer_config(tmp_path, setting, granularity, method, layers):
+    from nemo_disco import weights
+    from nemo_disco.config import TinyModelConfig
+    from nemo_disco.tiny import build_model
+
+    dense = weights.ModelSpec.from_dir(build_model(TinyModelConfig(), tmp_path / "dense", seed=0))
+    cfg = mm.transformer_config(dense, tp=1, pp=1, dtype=torch.float32, use_te=False, recompute=setting)
+    assert (cfg.recompute_granularity, cfg.recompute_method, cfg.recompute_num_layers) == (granularity, method, layers)
+    if granularity == "selective":
+        assert cfg.recompute_modules == ["core_attn"]

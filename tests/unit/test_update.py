@@ -167,6 +167,7 @@ def test_one_pass_equals_two_passes_equals_full_batch(name, hp, first, correctio
             if first:  # the one pass hands back pi_old's log-probs (and weights) of the mini-batch
                 lp, _ = pol.forward(batch.prompt_ids[:, 0], batch.response_ids.shape[1])
                 torch.testing.assert_close(res1.old_logprobs, lp.detach(), atol=0, rtol=0)
+                assert res1.old_logprobs.dtype == torch.float64 and res1.old_logprobs.device.type == "cpu"
             one_pass_layouts.append(layout)
     coupling = fn.coupling(first_update=first, weighted=corr.weighted, **hp)
     expected = {
