@@ -419,11 +419,14 @@ def nd_steps(cfg: Any, steps: int, warmup: int, *, fixed_length: bool, profile: 
         tr.rollouts.close(None)
     rollouts = cfg.algorithm.prompts_per_step * cfg.algorithm.rollouts_per_prompt
     tokens = [m["train/response_length_mean"] * rollouts for m in records]
+    ddp_config = getattr(getattr(tr.policy, "model", None), "ddp_config", None)
     return {
         "setup_s": setup_s,
         "metrics": records,
         "wall_s": walls,
         "completion_tokens": tokens,
+        "optimizer": type(getattr(tr.policy, "optimizer", None)).__name__,
+        "distributed_optimizer": bool(getattr(ddp_config, "use_distributed_optimizer", False)),
     }
 
 

@@ -74,9 +74,46 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
 STAGES = ("collectives", "logprob_parity", "grad_step", "offload_checkpoint", "moe", "trainer", "trl")
-# Default seconds per stage process. The model stages' first forward on a GPU compiles Megatron's fused
-# bias / SwiGLU / bias-dropout kernels (torch.compile: Triton and a host C compiler), which alone can take minutes.
-STAGE_TIMEOUT_S = {name: 600 for name in STAGES} | {"collectives": 300}
+# The lent GPU machine: one call runs at most 600 s, 15 minutes of device time in all (the start, 1-2 min, and idle
+# time included). The stages go in two calls, each within CALL_BUDGET_S plus ~20 s of installing the carried
+# wheels, which leaves time to rerun one of them: start <= 120 s + 3 x (240 + 20) s = 900 s.
+CALLS = {1: ("collectives", "grad_step", "logprob_parity", "offload_checkpoint", "moe"), 2: ("trainer", "trl")}
+CALL_BUDGET_S = 240
+# Estimated seconds per stage on one H100 (process start, imports, the model built, the first forward compiling
+# Megatron's fused bias / SwiGLU / bias-dropout kernels through torch.compile): estimates until a device run
+# replaces them (docs/benchmarks.md). Call 1: ~200 s; call 2: ~220 s.
+STAGE_ESTIMATE_S = {
+    "collectives": 20,
+    "logprob_parity": 45,
+    "grad_step": 35,
+    "offload_checkpoint": 50,
+    "moe": 50,
+    "trainer": 120,
+    "trl": 100,
+}
+# Seconds per stage process at most (a hung stage must leave time for the others and for packing the results).
+STAGE_TIMEOUT_S = {
+    "collectives": 90,
+    "logprob_parity": 150,
+    "grad_step": 120,
+    "offload_checkpoint": 150,
+    "moe": 150,
+    "trainer": 240,
+    "trl": 200,
+}
+MIN_STAGE_S = 15  # a stage is not started with less of the budget left (recorded as skipped)
+PACK_RESERVE_S = 10  # budget kept for packing the results
+# What the device tool returns from $OUT: at most 8 files, 16 MiB each, 64 MiB in all, names of letters, digits,
+# '.', '_' and '-', at most two folders down.
+RETURN_LIMITS = {"files": 8, "file_bytes": 16 * 2**20, "total_bytes": 64 * 2**20, "folders_down": 2}
+ARCHIVE = "gpu-check.tar.gz"
+# Dense bf16 peaks and HBM bandwidth by device name (SXM parts; the PCIe H100 is lower: 756 TFLOP/s, 2.0 TB/s).
+DEVICE_PEAKS = {
+    "H200": {"bf16_tflops": 989.0, "hbm_tbps": 4.8},
+    "H100 PCIe": {"bf16_tflops": 756.0, "hbm_tbps": 2.0},
+    "H100": {"bf16_tflops": 989.0, "hbm_tbps": 3.35},
+    "A100": {"bf16_tflops": 312.0, "hbm_tbps": 2.0},
+}
 # Log-prob / entropy tolerances against transformers' fp32 forward (absolute, nats, over the real response tokens).
 # bf16 holds 8 mantissa bits: ~0.4% per rounding, ~0.05 nats at the tails of a random model's distribution.
 BF16_TOL = {"max": 0.15, "mean": 0.02}
@@ -130,6 +167,66 @@ def _allocated() -> int | None:
         return None
     _sync()
     return int(_torch().cuda.memory_allocated())
+
+
+def device_peaks(name: str) -> dict[str, float] | None:
+    """Nominal dense bf16 TFLOP/s and HBM TB/s of a device by its name (the first key of ``DEVICE_PEAKS`` in it)."""
+    return next((dict(v) for k, v in DEVICE_PEAKS.items() if k in name), None)
+
+
+def measure_roofline(smoke: bool) -> dict[str, float]:
+    """A large bf16 matmul and a device-to-device copy, timed here (the ceilings the stage's figures sit under).
+
+    Matmul: 8192^3 bf16, the mean of 10 after 3 warm-ups (2 n^3 FLOPs each). Copy: 1 GiB, bytes read plus written.
+    On the CPU (smoke) tiny sizes keep the code path alive; the figures mean nothing there.
+    """
+    torch = _torch()
+    dev = "cuda" if _cuda() else "cpu"
+    n, copy_bytes, reps = (256, 2**22, 2) if smoke or not _cuda() else (8192, 2**30, 10)
+    dtype = torch.bfloat16 if _cuda() else torch.float32
+    a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
+    src = torch.empty(copy_bytes // 4, device=dev, dtype=torch.float32)
+    dst = torch.empty_like(src)
+
+    def timed(fn: Callable[[], Any]) -> float:
+        for _ in range(3):
+            fn()
+        _sync()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        _sync()
+        return (time.perf_counter() - t0) / reps
+
+    mm_s, copy_s = timed(lambda: a @ b), timed(lambda: dst.copy_(src))
+    return {"matmul_tflops": 2 * n**3 / mm_s / 1e12, "copy_tbps": 2 * copy_bytes / copy_s / 1e12, "matmul_n": n}
+
+
+def check_returnable(out: Path) -> list[str]:
+    """What in ``out`` the device tool would not return (``RETURN_LIMITS``), one line each; empty when all of it."""
+    import re
+
+    out = Path(out)
+    files = sorted(p for p in out.rglob("*") if not p.is_dir())
+    problems = []
+    if len(files) > RETURN_LIMITS["files"]:
+        problems.append(f"{len(files)} files, at most {RETURN_LIMITS['files']} come back")
+    total = 0
+    for p in files:
+        rel = p.relative_to(out)
+        size = p.lstat().st_size
+        total += size
+        if p.is_symlink() or not p.is_file():
+            problems.append(f"{rel}: not a plain file")
+        if size > RETURN_LIMITS["file_bytes"]:
+            problems.append(f"{rel}: {size} bytes, over {RETURN_LIMITS['file_bytes']}")
+        if any(not re.fullmatch(r"[A-Za-z0-9._-]+", part) for part in rel.parts):
+            problems.append(f"{rel}: a name other than letters, digits, '.', '_' and '-'")
+        if len(rel.parts) - 1 > RETURN_LIMITS["folders_down"]:
+            problems.append(f"{rel}: more than {RETURN_LIMITS['folders_down']} folders down")
+    if total > RETURN_LIMITS["total_bytes"]:
+        problems.append(f"{total} bytes in all, over {RETURN_LIMITS['total_bytes']}")
+    return problems
 
 
 def compile_toolchain() -> dict[str, Any]:
@@ -782,9 +879,12 @@ def stage_trainer(args: argparse.Namespace) -> dict[str, Any]:
         f"policy.transformer_engine={str(te).lower()}",
         "policy.microbatch_tokens=16384",
         "policy.logprob_chunk_size=1024",
+        # The production optimizer (the tiny recipe this inherits from turns it off for the CPU).
+        "policy.use_distributed_optimizer=true",
         "cluster.gpus_per_node=1",
     ]
     cfg = C.load_config(root / "run", over)
+    measured = measure_roofline(args.smoke)  # its tensors are freed on return (the allocator keeps the blocks)
     if _cuda():
         torch.cuda.reset_peak_memory_stats()
     out = C.nd_steps(cfg, sizes["steps"], 1, fixed_length=True)
@@ -801,19 +901,30 @@ def stage_trainer(args: argparse.Namespace) -> dict[str, Any]:
     n_matmul = _matmul_params(shape)
     tokens = rollouts * (prompt_mean + sizes["tokens"])
     # One update per step: the backward pass (forward + backward, 6 N per token) over every token; the old
-    # log-probs are a forward pass (2 N per token). Attention FLOPs are left out (short sequences here).
+    # log-probs are a forward pass (2 N per token), which a one-pass update skips (its phase then takes ~0 s).
+    # Attention FLOPs are left out (short sequences here).
     train_s = statistics.median(p["train"] for p in phases)
-    logprob_s = statistics.median(p["old_logprobs"] for p in phases)
+    logprob_s = statistics.median(p.get("old_logprobs", 0.0) for p in phases)
     generate_s = statistics.median(p["generate"] for p in phases)
+    # The share of the step's rows the log-prob pass forwarded: all but a first mini-batch trained in one pass.
+    num_mb = cfg.algorithm.prompts_per_step // cfg.algorithm.minibatch_prompts
+    one_pass_first = out["metrics"][-1].get("update/one_pass_updates", 0.0) > 0
+    forwarded = 1.0 - (1.0 / num_mb if one_pass_first else 0.0)
+    logprob_ran = forwarded > 0 and logprob_s > 0
     peak = args.peak_tflops * 1e12
     weight_bytes = 2 * (n_matmul + shape["hidden_size"] * shape["vocab_size"])  # bf16 weights incl. the embedding
     head_dim = shape["hidden_size"] // shape["num_attention_heads"]
     kv_per_token = 2 * shape["num_layers"] * shape["num_key_value_heads"] * head_dim * 2  # K and V, bf16
     ctx = prompt_mean + sizes["tokens"] / 2
-    bound_s = sizes["tokens"] * (weight_bytes + rollouts * ctx * kv_per_token) / (args.hbm_tbps * 1e12)
+    decode_bytes = sizes["tokens"] * (weight_bytes + rollouts * ctx * kv_per_token)
+    bound_s = decode_bytes / (args.hbm_tbps * 1e12)
+    train_flops_per_s = 6 * n_matmul * tokens / train_s
     metrics = out["metrics"][-1]
     res = {
         "layer_spec": "transformer_engine" if te else "local",
+        # Asked for; Megatron's distributed optimizer runs on a GPU (the CPU path is torch's AdamW).
+        "distributed_optimizer": out["distributed_optimizer"],
+        "optimizer": out["optimizer"],
         "pass_rule": "every metric of every step finite (the figures are measurements, not pass criteria)",
         "sizes": sizes,
         "model_matmul_params": n_matmul,
@@ -823,22 +934,52 @@ def stage_trainer(args: argparse.Namespace) -> dict[str, Any]:
         "completion_tokens_per_s": completion / step_s,
         "decode_tokens_per_s": rollouts * sizes["tokens"] / generate_s,
         "decode_hbm_bound_tokens_per_s": rollouts * sizes["tokens"] / bound_s,
-        "train_pass_mfu": 6 * n_matmul * tokens / train_s / peak,
-        "logprob_pass_mfu": 2 * n_matmul * tokens / logprob_s / peak,
+        "peaks": {"bf16_tflops": args.peak_tflops, "hbm_tbps": args.hbm_tbps, "from": args.peaks_from},
+        "measured": measured,
+        "train_pass_tflops": train_flops_per_s / 1e12,
+        "train_pass_mfu": train_flops_per_s / peak,
+        "train_pass_vs_measured_matmul": train_flops_per_s / (measured["matmul_tflops"] * 1e12),
+        # Only where that pass ran: a one-pass update (one mini-batch per step) reuses the training forward.
+        "logprob_pass_mfu": 2 * n_matmul * tokens * forwarded / logprob_s / peak if logprob_ran else None,
+        "logprob_pass": f"ran over {forwarded:.0%} of the rows"
+        if logprob_ran
+        else "skipped (one-pass update: pi_old from the training forward)",
+        "decode_vs_measured_copy": decode_bytes / generate_s / (measured["copy_tbps"] * 1e12),
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if _cuda() else None,
         "mismatch": {k: v for k, v in metrics.items() if k.startswith("mismatch/")},
         "finite": all(math.isfinite(v) for m in out["metrics"] for v in m.values()),
     }
     res["status"] = "ok" if res["finite"] else "failed"
-    (Path(args.out) / "trainer_model.txt").write_text(str(model_dir))
     return res
 
 
-def stage_trl(args: argparse.Namespace) -> dict[str, Any]:
+TRL_NEEDS = ("trl", "datasets", "accelerate")  # what bench_e2e_trl.run_trl imports
+
+
+def trl_missing() -> str | None:
+    """Why the TRL stage cannot run here (a module it needs does not import), or None.
+
+    ``import trl`` alone proves little: trl loads its trainers lazily, so a missing ``datasets`` shows only when
+    ``GRPOTrainer`` is first touched; that is done here too.
+    """
+    import importlib
+
+    for name in TRL_NEEDS:
+        try:
+            importlib.import_module(name)
+        except Exception as err:  # noqa: BLE001  (a broken install raises more than ImportError)
+            return f"{name} does not import ({type(err).__name__}: {err})"
     try:
-        import trl  # noqa: F401
-    except ImportError as err:
-        return {"status": "skipped", "why": f"trl does not import: {err}"}
+        from trl import GRPOConfig, GRPOTrainer  # noqa: F401
+    except Exception as err:  # noqa: BLE001
+        return f"trl's GRPOTrainer does not import ({type(err).__name__}: {err})"
+    return None
+
+
+def stage_trl(args: argparse.Namespace) -> dict[str, Any]:
+    missing = trl_missing()
+    if missing:
+        return {"status": "skipped", "why": missing, "pass_rule": "runs to the end (skipped when a module is missing)"}
     import bench_e2e_trl as E
 
     sizes = _trainer_sizes(args)
@@ -853,7 +994,7 @@ def stage_trl(args: argparse.Namespace) -> dict[str, Any]:
         bf16=_cuda(),
     )
     out["completion_tokens_per_s"] = out["completion_tokens_per_step"] / out["s_per_step"]
-    out["pass_rule"] = "runs to the end (skipped when trl does not import)"
+    out["pass_rule"] = "runs to the end (skipped when a module is missing)"
     out["status"] = "ok"
     return out
 
@@ -875,7 +1016,8 @@ def run_stage(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def summarize(results: dict[str, dict[str, Any]], env: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Per-stage status, the stages that hit their timeout, warnings, and the trainer / TRL ratio."""
+    """Per-stage status, the stages that hit their timeout, warnings, the trainer / TRL ratio, and each stage's
+    result without its traceback (the archive holds the whole of it)."""
     out: dict[str, Any] = {
         "status": {k: v.get("status") for k, v in results.items()},
         "timed_out": [k for k, v in results.items() if v.get("timed_out")],
@@ -884,72 +1026,160 @@ def summarize(results: dict[str, dict[str, Any]], env: dict[str, Any] | None = N
     tr, trl = results.get("trainer", {}), results.get("trl", {})
     if tr.get("status") == "ok" and trl.get("status") == "ok":
         out["completion_tokens_per_s_vs_trl"] = tr["completion_tokens_per_s"] / trl["completion_tokens_per_s"]
+    out["stages"] = {k: {f: x for f, x in v.items() if f != "traceback"} for k, v in results.items()}
+    if env is not None:
+        out["environment"] = env
     return out
+
+
+def failure_tails(results: dict[str, dict[str, Any]], logs: dict[str, str], room: int = 9000) -> str:
+    """The end of each failed stage's traceback (else its log), sharing ``room`` characters: what stdout brings
+    back when only the last 12,000 characters of a device call's output return."""
+    failed = [k for k, v in results.items() if v.get("status") == "failed"]
+    if not failed:
+        return ""
+    each = room // len(failed)
+    parts = []
+    for name in failed:
+        text = results[name].get("traceback") or logs.get(name) or results[name].get("error", "")
+        parts.append(f"----- gpu-check {name} failed: {results[name].get('error', '')}\n{text[-each:]}")
+    return "\n".join(parts)
+
+
+def pack(out: Path, names: list[str]) -> Path:
+    """Move ``names`` (files in ``out``) into one gzipped tar ``out/ARCHIVE``; returns its path."""
+    import tarfile
+
+    archive = out / ARCHIVE
+    tmp = out / (ARCHIVE + ".part")
+    with tarfile.open(tmp, "w:gz") as tar:
+        for name in names:
+            if (out / name).is_file():
+                tar.add(out / name, arcname=name)
+    tmp.replace(archive)
+    for name in names:
+        (out / name).unlink(missing_ok=True)
+    return archive
+
+
+def stage_plan(args: argparse.Namespace, ap: argparse.ArgumentParser) -> list[str]:
+    """The stages this run asked for: ``--call N``'s, else ``--stages``."""
+    if args.call is not None:
+        if args.stages is not None:
+            ap.error("--call and --stages exclude each other")
+        return list(CALLS[args.call])
+    stages = [s for s in (args.stages or ",".join(STAGES)).split(",") if s]
+    unknown = sorted(set(stages) - set(STAGES))
+    if unknown:
+        ap.error(f"unknown stage(s) {unknown}; choose from {list(STAGES)}")
+    return stages
+
+
+def run_child(name: str, args: argparse.Namespace, timeout: float) -> tuple[dict[str, Any], str]:
+    """One stage in a process of its own, at most ``timeout`` s: its result and its output."""
+    cmd = [sys.executable, __file__, "--stage", name, "--out", str(args.out)]
+    cmd += ["--peak-tflops", str(args.peak_tflops), "--hbm-tbps", str(args.hbm_tbps), "--peaks-from", args.peaks_from]
+    cmd += ["--smoke"] if args.smoke else []
+    path = args.out / f"{name}.json"
+    path.unlink(missing_ok=True)  # a result left by an earlier run in this folder must not stand for this one
+    timed_out = False
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        log = proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as err:
+        timed_out = True
+        out, errs = (x.decode(errors="replace") if isinstance(x, bytes) else x or "" for x in (err.stdout, err.stderr))
+        log = f"timed out after {timeout:.0f} s\n{out}{errs}"
+    if path.is_file():
+        res = json.loads(path.read_text())
+    else:
+        why = f"timed out after {timeout:.0f} s" if timed_out else "no result"
+        res = {"stage": name, "status": "failed", "error": f"{why}; see {name}.log in {ARCHIVE}"}
+    res.update(timeout_s=round(timeout, 1), timed_out=timed_out)
+    path.write_text(json.dumps(res, indent=1, default=str))
+    return res, log
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (CI)")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or C.ROOT / "runs" / "gpu-check"))
-    ap.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
+    ap.add_argument(
+        "--call",
+        type=int,
+        choices=sorted(CALLS),
+        help="the stages of one device call: " + "; ".join(f"{k}: {','.join(v)}" for k, v in CALLS.items()),
+    )
+    ap.add_argument("--stages", default=None, help=f"comma-separated subset of {','.join(STAGES)} (default: all)")
     ap.add_argument("--stage", choices=STAGES, help=argparse.SUPPRESS)
     ap.add_argument(
-        "--stage-timeout",
-        type=int,
+        "--budget",
+        type=float,
         default=None,
-        help="seconds per stage process (default: 300 for collectives, 600 for the model stages, whose first "
-        "forward on a GPU compiles Megatron's fused kernels)",
+        help=f"seconds for the whole run, packing included (default: {CALL_BUDGET_S} with --call, else none); a "
+        "stage gets at most what is left, and none is started with under "
+        f"{MIN_STAGE_S} s left",
     )
-    ap.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 matmul peak for MFU (H200: 790)")
-    ap.add_argument("--hbm-tbps", type=float, default=4.3, help="HBM bandwidth for the decode bound (H200: 4.3)")
+    ap.add_argument(
+        "--stage-timeout", type=int, default=None, help="seconds per stage process (default: STAGE_TIMEOUT_S's)"
+    )
+    ap.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak for MFU (default: by device)")
+    ap.add_argument("--hbm-tbps", type=float, default=None, help="HBM bandwidth for the decode bound (by device)")
+    ap.add_argument("--peaks-from", default="given", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    t_start = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.stage:  # a child: one stage, one JSON file
         (args.out / f"{args.stage}.json").write_text(json.dumps(run_stage(args.stage, args), indent=1, default=str))
         if "nemo_disco.distributed" in sys.modules:  # the stage's groups end before the interpreter does
             sys.modules["nemo_disco.distributed"].shutdown()
         return 0
-    stages = [s for s in args.stages.split(",") if s]
-    unknown = sorted(set(stages) - set(STAGES))
-    if unknown:
-        ap.error(f"unknown stage(s) {unknown}; choose from {list(STAGES)}")
+    stages = stage_plan(args, ap)
+    budget = args.budget if args.budget is not None else (CALL_BUDGET_S if args.call is not None else math.inf)
     env = environment()
+    nominal = device_peaks(env["device"]["name"])
+    if args.peak_tflops is None or args.hbm_tbps is None:
+        chosen = nominal or DEVICE_PEAKS["H100"]
+        args.peaks_from = env["device"]["name"] if nominal else f"H100 SXM (no figures for {env['device']['name']})"
+        args.peak_tflops = args.peak_tflops or chosen["bf16_tflops"]
+        args.hbm_tbps = args.hbm_tbps or chosen["hbm_tbps"]
+    env["peaks"] = {"bf16_tflops": args.peak_tflops, "hbm_tbps": args.hbm_tbps, "from": args.peaks_from}
+    env["call"], env["budget_s"] = args.call, budget
     (args.out / "environment.json").write_text(json.dumps(env, indent=1, default=str))
     for warning in toolchain_warnings(env):
         print(f"gpu-check WARNING: {warning}", flush=True)
     results: dict[str, dict[str, Any]] = {}
+    logs: dict[str, str] = {}
     for name in stages:
-        cmd = [sys.executable, __file__, "--stage", name, "--out", str(args.out)]
-        cmd += ["--peak-tflops", str(args.peak_tflops), "--hbm-tbps", str(args.hbm_tbps)]
-        cmd += ["--smoke"] if args.smoke else []
-        timeout = args.stage_timeout or STAGE_TIMEOUT_S[name]
-        path = args.out / f"{name}.json"
-        path.unlink(missing_ok=True)  # a result left by an earlier run in this folder must not stand for this one
+        left = budget - (time.perf_counter() - t_start) - PACK_RESERVE_S
+        timeout = min(args.stage_timeout or STAGE_TIMEOUT_S[name], left)
         t0 = time.perf_counter()
-        timed_out = False
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-            log = proc.stdout + proc.stderr
-        except subprocess.TimeoutExpired as err:
-            timed_out = True
-            out, errs = (
-                x.decode(errors="replace") if isinstance(x, bytes) else x or "" for x in (err.stdout, err.stderr)
-            )
-            log = f"timed out after {timeout} s\n{out}{errs}"
-        (args.out / f"{name}.log").write_text(log)
-        if path.is_file():
-            results[name] = json.loads(path.read_text())
+        if timeout < MIN_STAGE_S:
+            results[name] = {
+                "stage": name,
+                "status": "skipped",
+                "why": f"budget: {max(left, 0):.0f} s left of {budget:.0f}",
+            }
+            results[name].update(timeout_s=0, timed_out=False)
+            (args.out / f"{name}.json").write_text(json.dumps(results[name], indent=1))
         else:
-            why = f"timed out after {timeout} s" if timed_out else "no result"
-            results[name] = {"stage": name, "status": "failed", "error": f"{why}; see {name}.log"}
-        results[name].update(timeout_s=timeout, timed_out=timed_out)
-        path.write_text(json.dumps(results[name], indent=1, default=str))
+            results[name], logs[name] = run_child(name, args, timeout)
+            (args.out / f"{name}.log").write_text(logs[name])
         print(f"gpu-check {name:20s} {results[name]['status']:8s} {time.perf_counter() - t0:7.1f} s", flush=True)
     summary = summarize(results, env)
+    summary["wall_s"] = time.perf_counter() - t_start
+    loose = ["environment.json", *(f"{n}.json" for n in stages), *(f"{n}.log" for n in stages)]
+    pack(args.out, loose)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     for warning in summary["warnings"]:
         print(f"gpu-check WARNING: {warning}", flush=True)
-    print("GPU_CHECK_SUMMARY " + json.dumps(summary, default=str), flush=True)
+    tails = failure_tails(results, logs)
+    if tails:
+        print(tails, flush=True)
+    for problem in check_returnable(args.out):
+        print(f"gpu-check WARNING: would not come back from a device call: {problem}", flush=True)
+    short = {k: v for k, v in summary.items() if k not in ("stages", "environment")}
+    print("GPU_CHECK_SUMMARY " + json.dumps(short, default=str), flush=True)
     return 0 if all(v in ("ok", "skipped") for v in summary["status"].values()) else 1
 
 
