@@ -7,7 +7,8 @@ VLLM_VENV := .venv-vllm
 MCORE_LATEST_VENV := .venv-mcore-latest
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-vllm setup-mcore-latest demo test test-vllm test-mcore-latest gpu-check-smoke lint bench clean
+.PHONY: setup setup-vllm setup-mcore-latest demo test test-vllm test-mcore-latest gpu-check-smoke \
+	setup-gpu-rehearsal gpu-check-rehearsal lint bench clean
 
 setup: $(STAMP)
 
@@ -44,6 +45,14 @@ test-mcore-latest: setup-mcore-latest
 gpu-check-smoke: setup
 	PYTHON=$(BIN)/python bash scripts/gpu-check.sh --smoke --out runs/gpu-check-smoke
 
+# The GPU check rehearsed against the GPU validation machine's limits (its package set on Python 3.12, the carried
+# wheels, the 64 MiB carry, the two-call split and budget, what comes back); see scripts/gpu-check-rehearsal.sh.
+setup-gpu-rehearsal: setup-mcore-latest
+	bash scripts/gpu-check-rehearsal.sh --setup-only
+
+gpu-check-rehearsal: setup-gpu-rehearsal
+	bash scripts/gpu-check-rehearsal.sh
+
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -53,4 +62,4 @@ bench: setup
 	$(BIN)/python benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(MCORE_LATEST_VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(MCORE_LATEST_VENV) .venv-gpu-rehearsal wheels runs .pytest_cache

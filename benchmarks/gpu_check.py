@@ -1129,10 +1129,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.stage:  # a child: one stage, one JSON file
-        (args.out / f"{args.stage}.json").write_text(json.dumps(run_stage(args.stage, args), indent=1, default=str))
-        if "nemo_disco.distributed" in sys.modules:  # the stage's groups end before the interpreter does
-            sys.modules["nemo_disco.distributed"].shutdown()
+    if args.stage:  # a child: one stage, one JSON file; its scratch (models, checkpoints) removed after
+        with tempfile.TemporaryDirectory(prefix=f"gpu_check_{args.stage}_") as scratch:
+            tempfile.tempdir = scratch
+            res = run_stage(args.stage, args)
+            if "nemo_disco.distributed" in sys.modules:  # the stage's groups end before the interpreter does
+                sys.modules["nemo_disco.distributed"].shutdown()
+        (args.out / f"{args.stage}.json").write_text(json.dumps(res, indent=1, default=str))
         return 0
     stages = stage_plan(args, ap)
     budget = args.budget if args.budget is not None else (CALL_BUDGET_S if args.call is not None else math.inf)

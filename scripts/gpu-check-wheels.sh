@@ -11,13 +11,12 @@
 # together stays far under a 64 MiB carry; the script prints each folder's size).
 #
 #   bash scripts/gpu-check-wheels.sh              # every version in PY_VERSIONS
-#   bash scripts/gpu-check-wheels.sh --datasets   # also HF datasets for the TRL stage, per version, split in two
-#                                                 # folders that each fit a 64 MiB carry:
-#                                                 # wheels/gpu-check-py3XX-datasets-1 (pyarrow ...), -2 (pandas)
+#   bash scripts/gpu-check-wheels.sh --datasets   # also HF datasets for the TRL stage, per version:
+#                                                 # wheels/gpu-check-py3XX-datasets (datasets, dill, multiprocess;
+#                                                 # the GPU machine has pyarrow, pandas, xxhash and fsspec: < 1 MiB)
 #
 # megatron-core: 0.19.2 for Python >= 3.12; 0.16.1 for 3.10 and 3.11 (the newest release with wheels for them).
-# Python 3.10 also takes older trl (1.14.2), accelerate (1.15.0), pyarrow (25.0.1) and pandas (2.3.3): the pinned
-# releases need >= 3.11.
+# Python 3.10 also takes older trl (1.14.2) and accelerate (1.15.0): the pinned releases need >= 3.11.
 # Each pure-Python wheel is resolved against every version (pip checks its Requires-Python), so a set that
 # downloads is a set that installs.
 #
@@ -45,9 +44,9 @@ for version in "${VERSIONS[@]}"; do
   tag=py${version/./}
   # The newest release of each with wheels / Requires-Python for this version (pip download checks both).
   case "$version" in
-    3.10) mcore=0.16.1 trl=1.14.2 accelerate=1.15.0 pyarrow=25.0.1 pandas=2.3.3 ;;
-    3.11) mcore=0.16.1 trl=1.16.0 accelerate=1.16.0 pyarrow=26.0.1 pandas=3.1.1 ;;
-    *) mcore=0.19.2 trl=1.16.0 accelerate=1.16.0 pyarrow=26.0.1 pandas=3.1.1 ;;
+    3.10) mcore=0.16.1 trl=1.14.2 accelerate=1.15.0 ;;
+    3.11) mcore=0.16.1 trl=1.16.0 accelerate=1.16.0 ;;
+    *) mcore=0.19.2 trl=1.16.0 accelerate=1.16.0 ;;
   esac
   echo "gpu-check-wheels: Python $version -> wheels/gpu-check-$tag (megatron-core $mcore, trl $trl) + $COMMON"
   # Compiled wheels, and the pure ones whose release depends on the version.
@@ -56,9 +55,8 @@ for version in "${VERSIONS[@]}"; do
   download "$COMMON" "$version" "pydantic==2.12.5" "annotated-types==0.7.0" "typing-inspection==0.4.2" \
     "omegaconf==2.3.0" "hydra-core==1.3.8" "math-verify==0.9.0" "latex2sympy2_extended==1.11.0" "einops==0.8.1"
   if [ "${1:-}" = "--datasets" ]; then
-    download "wheels/gpu-check-$tag-datasets-1" "$version" "datasets==5.2.0" "pyarrow==$pyarrow" "dill==0.4.1" \
-      "multiprocess==0.70.19" "xxhash==4.1.0" "fsspec==2026.9.0"
-    download "wheels/gpu-check-$tag-datasets-2" "$version" "pandas==$pandas"
+    # Only what the GPU machine lacks: its image has pyarrow, pandas, xxhash and fsspec (scripts/gpu-machine-packages.txt).
+    download "wheels/gpu-check-$tag-datasets" "$version" "datasets==5.2.0" "dill==0.4.1" "multiprocess==0.70.19"
   fi
 done
 for folder in wheels/gpu-check*/; do

@@ -17,20 +17,8 @@ fi
 step() { echo "setup-mcore-latest: $*"; }
 trap 'echo "setup-mcore-latest: FAILED (see the messages above); $VENV is left incomplete and will be redone" >&2' ERR
 
-find_python312() {
-  if [ -n "${PYTHON312:-}" ]; then echo "$PYTHON312"; return; fi
-  local root candidate
-  root="$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")"
-  # pyenv's own builds first (its python3.12 shim on PATH fails unless 3.12 is selected), then PATH.
-  for candidate in "$root"/versions/3.12*/bin/python3.12 "$(command -v python3.12 || true)"; do
-    if [ -n "$candidate" ] && [ -x "$candidate" ] && "$candidate" --version >/dev/null 2>&1; then
-      echo "$candidate"
-      return
-    fi
-  done
-  echo "setup-mcore-latest: no Python 3.12 found (set PYTHON312=/path/to/python3.12)" >&2
-  exit 1
-}
+# shellcheck source=scripts/python312.sh
+source scripts/python312.sh  # (the working folder is the repository root)
 
 if [ ! -x "$VENV/bin/python" ]; then
   PY="$(find_python312)"
