@@ -223,6 +223,42 @@ def _labels(text: str | None, paths: list[str]) -> list[str]:
     return labels if len(set(labels)) == len(labels) else [str(p) for p in paths]
 
 
+#: ``eval`` flags that stand for a training config key: each is checked with that key's type and range.
+EVAL_FLAGS = {
+    "samples": "data.val_samples",
+    "temperature": "generation.temperature",
+    "top_p": "generation.top_p",
+    "max_tokens": "generation.max_response_tokens",
+    "max_prompt_tokens": "generation.max_prompt_tokens",
+    "max_problems": "data.val_max_problems",
+    "tp": "generation.tensor_parallel_size",
+    "timeout": "reward.timeout_s",
+    "workers": "reward.workers",
+}
+#: ``convert`` flags that stand for a training config key.
+CONVERT_FLAGS = {"tp": "policy.tensor_parallel_size", "pp": "policy.pipeline_parallel_size"}
+#: Integer flags without a config key, and their least value.
+_MINIMUM = {"chunk_problems": 1, "bootstrap": 0}
+
+
+def check_flags(args: argparse.Namespace, keys: dict[str, str]) -> None:
+    """Refuse a flag value that training would refuse for the config key it stands for, before any work.
+
+    Flags left at None (not given, where that means "the default") are not checked.
+
+    Raises:
+        ConfigError: one line naming the flag, its value and the config key whose range it breaks.
+    """
+    for attr, key in keys.items():
+        value = getattr(args, attr, None)
+        if value is not None:
+            config_lib.check_value(key, value, "--" + attr.replace("_", "-"))
+    for attr, least in _MINIMUM.items():
+        value = getattr(args, attr, None)
+        if value is not None and value < least:
+            raise UserError(f"--{attr.replace('_', '-')} {value}: must be >= {least}")
+
+
 def _bootstrap_kwargs(args: argparse.Namespace) -> dict:
     samples = args.bootstrap_samples if hasattr(args, "bootstrap_samples") else not args.bootstrap_problems_only
     return {"replicates": args.bootstrap, "seed": args.bootstrap_seed, "resample_samples": samples}
@@ -279,6 +315,7 @@ def validation_summary(run_dir: Path) -> dict | None:
 def _plot(args: argparse.Namespace) -> int:
     from nemo_disco import files
 
+    check_flags(args, {})
     if args.pass_at_k and args.length_accuracy:
         raise UserError("plot takes --pass-at-k or --length-accuracy, not both")
     if args.pass_at_k or args.length_accuracy:
@@ -330,6 +367,7 @@ def _eval(args: argparse.Namespace) -> int:
     from nemo_disco import files
     from nemo_disco.evaluation import compare, records, run
 
+    check_flags(args, EVAL_FLAGS)
     benchmarks = _names(args.benchmarks)
     if args.responses and args.model:
         raise UserError("eval takes --model HF_DIR or --responses RESULTS..., not both")
@@ -409,6 +447,7 @@ def _chat_template_kwargs(text: str | None) -> dict:
 def _compare(args: argparse.Namespace) -> int:
     from nemo_disco.evaluation import compare, records
 
+    check_flags(args, {})
     labels = _labels(args.labels, [args.results_a, args.results_b])
     try:
         ks = [int(k) for k in args.k.split(",") if k]
@@ -459,6 +498,7 @@ def _convert(args: argparse.Namespace) -> int:
 
     if bool(args.from_hf) == bool(args.checkpoint):
         raise UserError("convert needs exactly one of --from-hf HF_DIR or --checkpoint DIR")
+    check_flags(args, CONVERT_FLAGS)
     if args.checkpoint and (args.tp, args.pp) != (None, None):
         raise UserError(
             "--tp / --pp go with --from-hf only: --checkpoint writes a Hugging Face folder, which has no layout "
@@ -479,7 +519,9 @@ def _convert(args: argparse.Namespace) -> int:
 
     try:
         if args.from_hf:
-            convert.hf_to_megatron(args.from_hf, tmp, tp=args.tp or 1, pp=args.pp or 1)
+            convert.hf_to_megatron(
+                args.from_hf, tmp, tp=1 if args.tp is None else args.tp, pp=1 if args.pp is None else args.pp
+            )
         else:
             convert.checkpoint_to_hf(args.checkpoint, tmp)
     except BaseException:

@@ -17,10 +17,10 @@ import difflib
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 
 class ConfigError(ValueError):
@@ -685,6 +685,32 @@ def load_resolved(path: str | os.PathLike) -> RunConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
     return validate(raw)
+
+
+def check_value(key: str, value: Any, flag: str) -> Any:
+    """Validate a command-line value against the config key it stands for: the key's own type and range.
+
+    ``eval --temperature`` is ``generation.temperature`` and ``convert --tp`` is ``policy.tensor_parallel_size``:
+    their ranges live once, on the fields above.
+
+    Args:
+        key: the dotted config key whose type and range apply (``generation.temperature``).
+        value: the value given on the command line.
+        flag: the command-line flag, for the message (``--temperature``).
+
+    Returns:
+        The value, validated.
+
+    Raises:
+        ConfigError: one line naming the flag, its value, what is wrong and the config key.
+    """
+    section, _, name = key.partition(".")
+    field = RunConfig.model_fields[section].annotation.model_fields[name]  # type: ignore[union-attr]
+    try:
+        return TypeAdapter(Annotated[field.annotation, field]).validate_python(value)
+    except ValidationError as err:
+        msg = err.errors()[0]["msg"].replace("Input should be", "must be")
+        raise ConfigError(f"{flag} {value}: {msg} (as {key} in a recipe)") from None
 
 
 # ----------------------------------------------------------------------------------------------------------------------

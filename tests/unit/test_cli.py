@@ -165,3 +165,45 @@ def test_the_users_openmp_settings_and_launched_or_synchronous_runs_are_left_alo
     bare_env.setenv("WORLD_SIZE", "2")  # torchrun started the generator's rank: nothing to share here
     assert cli._share_cores(config.load(str(RECIPE), ASYNC_ONE_MACHINE)) == {}
     assert "OMP_NUM_THREADS" not in os.environ and "OMP_WAIT_POLICY" not in os.environ
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (["--temperature", "-1"], "--temperature -1.0: must be greater than 0 (as generation.temperature in a recipe)"),
+        (["--top-p", "2"], "--top-p 2.0: must be less than or equal to 1 (as generation.top_p in a recipe)"),
+        (["--max-tokens", "0"], "--max-tokens 0: must be greater than or equal to 1 (as generation.max_response_"),
+        (["--tp", "0"], "--tp 0: must be greater than or equal to 1 (as generation.tensor_parallel_size in a recipe)"),
+        (["--workers", "0"], "--workers 0: must be greater than or equal to 1 (as reward.workers in a recipe)"),
+        (["--max-problems", "0"], "--max-problems 0: must be greater than or equal to 1 (as data.val_max_problems"),
+        (["--chunk-problems", "0"], "--chunk-problems 0: must be >= 1"),
+        (["--bootstrap", "-1"], "--bootstrap -1: must be >= 0"),
+    ],
+)
+def test_eval_refuses_what_training_refuses_before_any_work(tiny_qwen2, tmp_path, capsys, argv, line):
+    """The ranges are the config keys' own (config.check_value); nothing is generated or written."""
+    out = tmp_path / "out"
+    base = ["eval", "--model", str(tiny_qwen2), "--backend", "hf", "--benchmarks", "aime", "--max-problems", "1"]
+    assert cli.main([*base, "--samples", "1", "--max-tokens", "2", "--out", str(out), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"nemo-disco eval: error: {line}"), err
+    assert not out.exists()
+
+
+def test_eval_and_training_share_their_ranges():
+    """A value training refuses is refused by eval in the same words, and one it takes is taken."""
+    with pytest.raises(config.ConfigError, match=r"^generation.temperature=-1: Input should be greater than 0$"):
+        config.load(str(RECIPE), ["generation.temperature=-1"])
+    assert config.check_value("generation.temperature", 0.6, "--temperature") == 0.6
+    assert config.check_value("data.val_max_problems", None, "--max-problems") is None
+
+
+@pytest.mark.parametrize("flag", ["--tp", "--pp"])
+def test_convert_refuses_a_layout_of_zero_instead_of_writing_one(tiny_qwen2, tmp_path, capsys, flag):
+    out = tmp_path / "mcore"
+    assert cli.main(["convert", "--from-hf", str(tiny_qwen2), "--out", str(out), flag, "0"]) == 2
+    key = {"--tp": "policy.tensor_parallel_size", "--pp": "policy.pipeline_parallel_size"}[flag]
+    err = capsys.readouterr().err
+    assert err == f"nemo-disco convert: error: {flag} 0: must be greater than or equal to 1 (as {key} in a recipe)\n"
+    assert not out.exists()
+
