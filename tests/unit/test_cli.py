@@ -207,3 +207,48 @@ def test_convert_refuses_a_layout_of_zero_instead_of_writing_one(tiny_qwen2, tmp
     assert err == f"nemo-disco convert: error: {flag} 0: must be greater than or equal to 1 (as {key} in a recipe)\n"
     assert not out.exists()
 
+
+def _torchrun(tmp_path: Path, nproc: int, recipe: Path, timeout: float = 60) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node N -m nemo_disco.cli train`` in a session of its own (killed whole on timeout)."""
+    from procs import free_port, run_group
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+    cmd += ["--master-port", str(free_port()), "-m", "nemo_disco.cli", "train", "--config", str(recipe)]
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env = {**env, "OMP_NUM_THREADS": "1"}
+    return run_group([*cmd, f"logging.run_dir={tmp_path / 'run'}"], timeout=timeout, env=env, cwd=RECIPE.parents[1])
+
+
+def test_an_async_recipe_launched_as_one_process_is_refused_instead_of_hanging(tmp_path):
+    """torchrun's one process used to start the generator itself and wait for ever on torchrun's rendezvous."""
+    res = _torchrun(tmp_path, 1, RECIPE.with_name("tiny-cpu-async.yaml"))
+    assert res.returncode != 0
+    lines = [line for line in res.stderr.splitlines() if line.startswith("nemo-disco train: error: ")]
+    assert lines == [
+        "nemo-disco train: error: the launcher started 1 process(es) but the recipe expects 1 for the trainer + 1 "
+        "for the generator (cluster.* with algorithm.async_rollouts=true): run torchrun --nproc-per-node 2 -m "
+        "nemo_disco.cli train ... or no launcher at all (the trainer then starts the generator's processes itself)"
+    ]
+    assert "asynchronous run without a launcher" not in res.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_world_size_the_recipe_does_not_allow_is_said_once_by_process_zero(tmp_path):
+    res = _torchrun(tmp_path, 2, RECIPE)
+    both = res.stdout + res.stderr
+    assert both.count("nemo-disco train: error:") == 1, both
+    assert (
+        "nemo-disco train: error: the launcher started 2 process(es) but the recipe expects cluster.nodes x "
+        "cluster.gpus_per_node = 1 x 1 = 1: run torchrun --nproc-per-node 1 -m nemo_disco.cli train ...\n"
+    ) in res.stderr
+
+
+def test_launch_ranks_other_than_zero_leave_a_job_wide_error_to_process_zero(bare_env, capsys):
+    bare_env.setattr(cli, "JOB_ERROR_GRACE_S", 0.0)
+    bare_env.setenv("RANK", "1")
+    bare_env.setenv("WORLD_SIZE", "2")
+    assert cli.main(["train", "--config", str(RECIPE), "loss.betta=1"]) == 2
+    assert capsys.readouterr().err == ""
+    bare_env.setenv("RANK", "0")
+    assert cli.main(["train", "--config", str(RECIPE), "loss.betta=1"]) == 2
+    assert capsys.readouterr().err.startswith("nemo-disco train: error: unknown config key 'loss.betta'")
