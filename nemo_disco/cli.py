@@ -266,7 +266,7 @@ def _labels(text: str | None, paths: list[str]) -> list[str]:
     if text:
         labels = text.split(",")
         if len(labels) != len(paths):
-            raise UserError(f"--labels has {len(labels)} names for {len(paths)} results")
+            raise UserError(f"--labels {text!r} has {len(labels)} names for {len(paths)} results ({', '.join(paths)})")
         return labels
     labels = [result_label(p) for p in paths]
     return labels if len(set(labels)) == len(labels) else [str(p) for p in paths]
@@ -390,7 +390,7 @@ def _plot(args: argparse.Namespace) -> int:
 
     out = args.out or default_plot_path(args.runs)
     files.check_writable_file(out, "plot")
-    path = plot_runs(args.runs, out, labels=args.labels.split(",") if args.labels else None)
+    path = plot_runs(args.runs, out, labels=_labels(args.labels, args.runs) if args.labels else None)
     print(f"wrote {path} (training curves of {', '.join(str(r) for r in args.runs)})")
     return 0
 

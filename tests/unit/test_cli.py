@@ -252,3 +252,12 @@ def test_launch_ranks_other_than_zero_leave_a_job_wide_error_to_process_zero(bar
     bare_env.setenv("RANK", "0")
     assert cli.main(["train", "--config", str(RECIPE), "loss.betta=1"]) == 2
     assert capsys.readouterr().err.startswith("nemo-disco train: error: unknown config key 'loss.betta'")
+
+
+def test_plot_names_a_label_count_that_differs_from_the_runs(tmp_path, capsys):
+    runs = [_run_dir(tmp_path / name, None) for name in ("a", "b")]
+    out = tmp_path / "curves.png"
+    assert cli.main(["plot", *map(str, runs), "--labels", "x,y,z", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"nemo-disco plot: error: --labels 'x,y,z' has 3 names for 2 results ({runs[0]}, {runs[1]})\n"
+    assert not out.exists()
