@@ -598,15 +598,16 @@ def _train(
     tr = setup(cfg, role)
     _install_signal_handlers(tr)
     a = cfg.algorithm
+    # data.val_every = 0: no validation at all (data.val may still serve the warm-up's target).
     val_every = cfg.data.val_every if cfg.data.val else 0
     last: dict[str, float] = {}
     code: int | None = None  # the exit code the generator is told to end with (None: an error)
     try:
         if isinstance(tr.rollouts, rollouts.RemoteRollouts):
-            first_val = a.seed if cfg.data.val and tr.step == 0 else None
+            first_val = a.seed if val_every and tr.step == 0 else None
             with wd.phase("step", "weights to the generator"):
                 tr.rollouts.start(tr.step, first_val)
-        if cfg.data.val and tr.step == 0:
+        if val_every and tr.step == 0:
             with wd.phase("validation", "validation before step 1"):
                 per_problem = tr.rollouts.validate(0, a.seed)
             tr.logger.log(0, _log_validation(tr, 0, per_problem))

@@ -12,6 +12,7 @@ import logging
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 from nemo_disco import config as config_lib
@@ -24,12 +25,28 @@ class UserError(Exception):
     """An error the user can fix; printed as one line, exit code 2."""
 
 
+class JobError(UserError):
+    """A :class:`UserError` that every process of a launched job meets alike (the recipe, the launch layout).
+
+    Process 0 alone prints it: one line for the job, not one per process. The others wait
+    :data:`JOB_ERROR_GRACE_S` before they exit: the launcher stops a job's processes once one of them has failed.
+    """
+
+
+#: Seconds a launched process other than 0 waits before exiting on a :class:`JobError` (process 0 prints it).
+JOB_ERROR_GRACE_S = 10.0
+
+
 def _train(args: argparse.Namespace) -> int:
-    cfg = config_lib.load(args.config, args.overrides)
+    try:
+        cfg = config_lib.load(args.config, args.overrides)
+    except config_lib.ConfigError as err:
+        raise JobError(str(err)) from None
     if args.print_config:
         if os.environ.get("RANK", "0") == "0":
             print(config_lib.to_yaml(cfg), end="")
         return 0
+    _check_launch(cfg)
     generator_env = _share_cores(cfg)  # before torch loads (OpenMP reads its settings once, as it loads)
     from nemo_disco import files, hooks
 
@@ -57,7 +74,39 @@ def _spawns_generators(cfg: config_lib.RunConfig) -> bool:
     """Whether this process starts the generator's processes itself: an asynchronous run nobody launched."""
     from nemo_disco import ranks
 
-    return cfg.algorithm.async_rollouts and ranks.read_env().world_size == 1
+    return cfg.algorithm.async_rollouts and not ranks.launched()
+
+
+def _check_launch(cfg: config_lib.RunConfig) -> None:
+    """A launcher (torchrun, srun) must start the processes the recipe expects; checked before anything starts.
+
+    An asynchronous run launched as one process would otherwise start its generator's processes itself and then
+    wait for ever on a rendezvous that torchrun's agent, not this process, was to serve.
+
+    Raises:
+        JobError: the launched process count differs from the recipe's (one line naming both).
+    """
+    from nemo_disco import ranks
+
+    world = ranks.read_env().world_size
+    if not ranks.launched() or world == cfg.launch_world_size:
+        return
+    c = cfg.cluster
+    if cfg.algorithm.async_rollouts:
+        expects = (
+            f"{cfg.world_size} for the trainer + {cfg.generation_world_size} for the generator (cluster.* with "
+            "algorithm.async_rollouts=true)"
+        )
+    else:
+        expects = f"cluster.nodes x cluster.gpus_per_node = {c.nodes} x {c.gpus_per_node} = {cfg.world_size}"
+    nodes, per_node = cfg.launch_layout
+    if nodes > 1:
+        remedy = f"launch {nodes} nodes x {per_node} processes (slurm/train.sbatch)"
+    else:
+        remedy = f"run torchrun --nproc-per-node {per_node} -m nemo_disco.cli train ..."
+        if cfg.algorithm.async_rollouts:
+            remedy += " or no launcher at all (the trainer then starts the generator's processes itself)"
+    raise JobError(f"the launcher started {world} process(es) but the recipe expects {expects}: {remedy}")
 
 
 #: How OpenMP's idle threads wait when the processes of one run share cores (see :func:`_share_cores`).
@@ -217,10 +266,46 @@ def _labels(text: str | None, paths: list[str]) -> list[str]:
     if text:
         labels = text.split(",")
         if len(labels) != len(paths):
-            raise UserError(f"--labels has {len(labels)} names for {len(paths)} results")
+            raise UserError(f"--labels {text!r} has {len(labels)} names for {len(paths)} results ({', '.join(paths)})")
         return labels
     labels = [result_label(p) for p in paths]
     return labels if len(set(labels)) == len(labels) else [str(p) for p in paths]
+
+
+#: ``eval`` flags that stand for a training config key: each is checked with that key's type and range.
+EVAL_FLAGS = {
+    "samples": "data.val_samples",
+    "temperature": "generation.temperature",
+    "top_p": "generation.top_p",
+    "max_tokens": "generation.max_response_tokens",
+    "max_prompt_tokens": "generation.max_prompt_tokens",
+    "max_problems": "data.val_max_problems",
+    "tp": "generation.tensor_parallel_size",
+    "timeout": "reward.timeout_s",
+    "workers": "reward.workers",
+}
+#: ``convert`` flags that stand for a training config key.
+CONVERT_FLAGS = {"tp": "policy.tensor_parallel_size", "pp": "policy.pipeline_parallel_size"}
+#: Integer flags without a config key, and their least value.
+_MINIMUM = {"chunk_problems": 1, "bootstrap": 0}
+
+
+def check_flags(args: argparse.Namespace, keys: dict[str, str]) -> None:
+    """Refuse a flag value that training would refuse for the config key it stands for, before any work.
+
+    Flags left at None (not given, where that means "the default") are not checked.
+
+    Raises:
+        ConfigError: one line naming the flag, its value and the config key whose range it breaks.
+    """
+    for attr, key in keys.items():
+        value = getattr(args, attr, None)
+        if value is not None:
+            config_lib.check_value(key, value, "--" + attr.replace("_", "-"))
+    for attr, least in _MINIMUM.items():
+        value = getattr(args, attr, None)
+        if value is not None and value < least:
+            raise UserError(f"--{attr.replace('_', '-')} {value}: must be >= {least}")
 
 
 def _bootstrap_kwargs(args: argparse.Namespace) -> dict:
@@ -279,6 +364,7 @@ def validation_summary(run_dir: Path) -> dict | None:
 def _plot(args: argparse.Namespace) -> int:
     from nemo_disco import files
 
+    check_flags(args, {})
     if args.pass_at_k and args.length_accuracy:
         raise UserError("plot takes --pass-at-k or --length-accuracy, not both")
     if args.pass_at_k or args.length_accuracy:
@@ -304,7 +390,7 @@ def _plot(args: argparse.Namespace) -> int:
 
     out = args.out or default_plot_path(args.runs)
     files.check_writable_file(out, "plot")
-    path = plot_runs(args.runs, out, labels=args.labels.split(",") if args.labels else None)
+    path = plot_runs(args.runs, out, labels=_labels(args.labels, args.runs) if args.labels else None)
     print(f"wrote {path} (training curves of {', '.join(str(r) for r in args.runs)})")
     return 0
 
@@ -330,6 +416,7 @@ def _eval(args: argparse.Namespace) -> int:
     from nemo_disco import files
     from nemo_disco.evaluation import compare, records, run
 
+    check_flags(args, EVAL_FLAGS)
     benchmarks = _names(args.benchmarks)
     if args.responses and args.model:
         raise UserError("eval takes --model HF_DIR or --responses RESULTS..., not both")
@@ -411,6 +498,7 @@ def _chat_template_kwargs(text: str | None) -> dict:
 def _compare(args: argparse.Namespace) -> int:
     from nemo_disco.evaluation import compare, records
 
+    check_flags(args, {})
     labels = _labels(args.labels, [args.results_a, args.results_b])
     try:
         ks = [int(k) for k in args.k.split(",") if k]
@@ -461,6 +549,7 @@ def _convert(args: argparse.Namespace) -> int:
 
     if bool(args.from_hf) == bool(args.checkpoint):
         raise UserError("convert needs exactly one of --from-hf HF_DIR or --checkpoint DIR")
+    check_flags(args, CONVERT_FLAGS)
     if args.checkpoint and (args.tp, args.pp) != (None, None):
         raise UserError(
             "--tp / --pp go with --from-hf only: --checkpoint writes a Hugging Face folder, which has no layout "
@@ -481,7 +570,9 @@ def _convert(args: argparse.Namespace) -> int:
 
     try:
         if args.from_hf:
-            convert.hf_to_megatron(args.from_hf, tmp, tp=args.tp or 1, pp=args.pp or 1)
+            convert.hf_to_megatron(
+                args.from_hf, tmp, tp=1 if args.tp is None else args.tp, pp=1 if args.pp is None else args.pp
+            )
         else:
             convert.checkpoint_to_hf(args.checkpoint, tmp)
     except BaseException:
@@ -717,6 +808,19 @@ def _end_process_groups() -> None:
         distributed.shutdown()
 
 
+def _is_launch_rank_zero() -> bool:
+    """Whether this is the launched job's process 0 (torchrun's RANK or srun's SLURM_PROCID), or no job at all."""
+    from nemo_disco import ranks
+
+    return ranks.read_env().rank == 0
+
+
+def _say(line: str) -> None:
+    """One line on stderr in one write: the lines of processes that share a terminal or a log do not interleave."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``nemo-disco`` console script."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -733,8 +837,12 @@ def main(argv: list[str] | None = None) -> int:
     except (config_lib.ConfigError, UserError, FileNotFoundError, ValueError) as err:
         if os.environ.get("NEMO_DISCO_DEBUG"):
             raise
+        if isinstance(err, JobError) and not _is_launch_rank_zero():
+            # Process 0 prints it. Exiting first would make torchrun stop process 0, maybe before its line.
+            time.sleep(JOB_ERROR_GRACE_S)
+            return EXIT_USAGE
         command = args.command + (f" {args.data_command}" if args.command == "data" else "")
-        print(f"nemo-disco {command}: error: {err}", file=sys.stderr)
+        _say(f"nemo-disco {command}: error: {err}")
         return EXIT_USAGE
     except OSError as err:  # a write that failed after the start-up checks (a full disk, a vanished mount)
         if os.environ.get("NEMO_DISCO_DEBUG"):

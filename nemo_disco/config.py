@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -541,6 +541,20 @@ def _suggestion(key: str) -> str:
     return f" (did you mean {parent + '.' if parent else ''}{hint[0]}?)" if hint else ""
 
 
+def _quoted(override: str) -> str:
+    """``key=value`` with a plain value holding non-ASCII characters quoted: Hydra's lexer takes those only quoted.
+
+    ``logging.run_dir=runs/données`` becomes ``logging.run_dir='runs/données'`` (a string either way). Values that
+    are quoted, lists or mappings, interpolations, or that hold a quote or end in a backslash are left as given.
+    """
+    key, sep, value = override.partition("=")
+    if not sep or value.isascii() or value[:1] in "[{" or "${" in value or "'" in value or '"' in value:
+        return override
+    if value.endswith("\\"):
+        return override
+    return f"{key}='{value}'"
+
+
 def _check_override_key(override: str) -> None:
     if "=" not in override:
         raise ConfigError(f"override {override!r} is not of the form key=value")
@@ -579,15 +593,43 @@ def _recipe_files(recipe: Path, folders: list[Path]) -> list[Path]:
         if path in files:
             continue
         files.append(path)
-        try:
-            defaults = (yaml.safe_load(path.read_text()) or {}).get("defaults") or []
-        except (OSError, yaml.YAMLError, AttributeError):
-            continue
-        for entry in defaults:
-            if isinstance(entry, str) and entry != "_self_":
-                found = [f / f"{entry}.yaml" for f in folders if (f / f"{entry}.yaml").is_file()]
-                todo.extend(found[:1])
+        todo.extend(_defaults_of(path, folders))
     return files
+
+
+def _defaults_of(path: Path, folders: list[Path]) -> list[Path]:
+    """The recipe files a recipe's ``defaults:`` list names, as the composition finds them (first folder first)."""
+    try:
+        defaults = (yaml.safe_load(path.read_text()) or {}).get("defaults") or []
+    except (OSError, yaml.YAMLError, AttributeError):
+        return []
+    found = []
+    for entry in defaults if isinstance(defaults, list) else []:
+        if isinstance(entry, str) and entry != "_self_":
+            found.extend([f / f"{entry}.yaml" for f in folders if (f / f"{entry}.yaml").is_file()][:1])
+    return found
+
+
+def _check_defaults_cycle(recipe: Path, folders: list[Path]) -> None:
+    """A recipe that includes itself through its ``defaults:`` lists: one line naming the loop.
+
+    Raises:
+        ConfigError: ``a.yaml -> b.yaml -> a.yaml``, with each file's folder once.
+    """
+
+    def visit(path: Path, chain: list[Path]) -> list[Path] | None:
+        if path in chain:
+            return [*chain[chain.index(path) :], path]
+        for child in _defaults_of(path, folders):
+            loop = visit(child, [*chain, path])
+            if loop:
+                return loop
+        return None
+
+    loop = visit(recipe.resolve(), [])
+    if loop:
+        names = " -> ".join(f.name for f in loop)
+        raise ConfigError(f"{loop[0]}: its defaults: list includes itself ({names}); remove the entry that loops")
 
 
 def _key_line(path: Path, key: str) -> int | None:
@@ -673,14 +715,23 @@ def compose(recipe: str | os.PathLike, overrides: list[str] | tuple[str, ...] = 
         _check_override_key(override)
     # Keys were checked against the schema above, so a plain `key=value` may also set a schema field that
     # the recipe does not state: Hydra's `++` (add or override).
-    hydra_overrides = [o if o.startswith(("+", "~")) else f"++{o}" for o in overrides]
+    hydra_overrides = [_quoted(o) if o.startswith(("+", "~")) else f"++{_quoted(o)}" for o in overrides]
     folders = _search_path(path)
+    _check_defaults_cycle(path, folders)
     search = [f"hydra.searchpath=[{','.join(f.as_uri() for f in folders[1:])}]"] if len(folders) > 1 else []
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(folders[0]), version_base=None):
             cfg = hydra_compose(config_name=path.stem, overrides=[*search, *hydra_overrides])
     except Exception as err:  # Hydra raises several exception types; all are user errors here.
+        from hydra.errors import OverrideParseException
+
+        if isinstance(err, OverrideParseException):  # the override's fault, not the recipe's
+            given = next((o for o in overrides if err.override.lstrip("+~") == _quoted(o).lstrip("+~")), err.override)
+            raise ConfigError(
+                f"override {given!r} cannot be parsed: quote a value with spaces, brackets or other symbols "
+                "(key='value', inside double quotes for the shell)"
+            ) from None
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         missing = re.search(r"Could not load '([^']+)'", first)
         if missing:
@@ -735,6 +786,32 @@ def load_resolved(path: str | os.PathLike) -> RunConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
     return validate(raw)
+
+
+def check_value(key: str, value: Any, flag: str) -> Any:
+    """Validate a command-line value against the config key it stands for: the key's own type and range.
+
+    ``eval --temperature`` is ``generation.temperature`` and ``convert --tp`` is ``policy.tensor_parallel_size``:
+    their ranges live once, on the fields above.
+
+    Args:
+        key: the dotted config key whose type and range apply (``generation.temperature``).
+        value: the value given on the command line.
+        flag: the command-line flag, for the message (``--temperature``).
+
+    Returns:
+        The value, validated.
+
+    Raises:
+        ConfigError: one line naming the flag, its value, what is wrong and the config key.
+    """
+    section, _, name = key.partition(".")
+    field = RunConfig.model_fields[section].annotation.model_fields[name]  # type: ignore[union-attr]
+    try:
+        return TypeAdapter(Annotated[field.annotation, field]).validate_python(value)
+    except ValidationError as err:
+        msg = err.errors()[0]["msg"].replace("Input should be", "must be")
+        raise ConfigError(f"{flag} {value}: {msg} (as {key} in a recipe)") from None
 
 
 # ----------------------------------------------------------------------------------------------------------------------

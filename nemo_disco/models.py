@@ -8,6 +8,7 @@ before building anything, and evaluation checks ``--model``.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from nemo_disco.data import hub_tried, quiet_hub_logs
@@ -17,6 +18,21 @@ __all__ = ["check_model"]
 _CONFIG_FILE = "config.json"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 _WEIGHT_GLOBS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json")
+
+
+#: A hub id: ``name`` or ``owner/name``, letters, digits, ``-``, ``_`` and ``.`` (the hub's own rule, in short).
+_HUB_ID = re.compile(r"^[\w.-]{1,96}(/[\w.-]{1,96})?$")
+#: Folders a model path starts with that no hub owner is meant by: a run's own folder, and relative paths.
+_LOCAL_PREFIXES = ("./", "../", "~", "runs/", os.sep)
+
+
+def _looks_local(text: str) -> bool:
+    """Whether a model that is no folder here was meant as a local path: then no hub is asked (no retries).
+
+    A path-looking value (``./``, ``../``, ``/``, ``~`` or ``runs/`` at the start) or one that cannot be a hub id
+    (more than one ``/``, a backslash, other characters).
+    """
+    return text.startswith(_LOCAL_PREFIXES) or text in (".", "..") or not _HUB_ID.match(text) or ".." in text
 
 
 def check_model(model: str | os.PathLike) -> str:
@@ -45,7 +61,7 @@ def check_model(model: str | os.PathLike) -> str:
         return text
     if path.exists():
         raise ValueError(f"model {path} is a file; expected a Hugging Face model folder")
-    if path.is_absolute() or text.startswith((".", "~")) or text.count("/") > 1:
+    if _looks_local(text):
         raise FileNotFoundError(f"model folder not found: {path} (and not an owner/name hub id)")
     from transformers import AutoTokenizer
 

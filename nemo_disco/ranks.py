@@ -44,3 +44,11 @@ def read_env() -> DistEnv:
     else:
         rank, world, local_rank, local_world, node_rank = 0, 1, 0, 1, 0
     return DistEnv(rank, world, local_rank, local_world, node_rank)
+
+
+def launched() -> bool:
+    """Whether a launcher started this process: torchrun (RANK and WORLD_SIZE, even for one process) or srun tasks.
+
+    A single srun task counts as no launcher: nothing else of the job is waiting for it.
+    """
+    return ("RANK" in os.environ and "WORLD_SIZE" in os.environ) or read_env().world_size > 1

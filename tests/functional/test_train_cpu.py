@@ -394,6 +394,17 @@ def test_the_last_step_is_validated_and_a_shorter_resume_warns(tmp_path):
     assert (run / "final.json").read_text() == final  # the finished run's result is kept
 
 
+def test_val_every_0_validates_nothing_even_with_a_benchmark(tmp_path):
+    """data.val_every=0 is "never" (config.DataConfig): not before step 1, not after the last; no summary."""
+    run = tmp_path / "off"
+    val = ["data.val=synthetic:arithmetic-heldout", "data.val_every=0", "data.val_max_problems=8", "data.val_samples=2"]
+    res = _train(run, "algorithm.steps=1", "checkpoint.save_every=0", "algorithm.warmup_sft_steps=0", *val)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert not (run / "validation.jsonl").exists()
+    assert "before RL" not in res.stdout and "after RL" not in res.stdout
+    assert not any(k.startswith("val/") for m in _metrics(run) for k in m)
+
+
 def test_output_that_is_not_a_terminal_gets_plain_step_lines(tmp_path):
     """As in a Slurm .out file (stdout and stderr are pipes): no carriage returns, short lines, a line per step."""
     run = tmp_path / "log"

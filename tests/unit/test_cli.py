@@ -165,3 +165,99 @@ def test_the_users_openmp_settings_and_launched_or_synchronous_runs_are_left_alo
     bare_env.setenv("WORLD_SIZE", "2")  # torchrun started the generator's rank: nothing to share here
     assert cli._share_cores(config.load(str(RECIPE), ASYNC_ONE_MACHINE)) == {}
     assert "OMP_NUM_THREADS" not in os.environ and "OMP_WAIT_POLICY" not in os.environ
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (["--temperature", "-1"], "--temperature -1.0: must be greater than 0 (as generation.temperature in a recipe)"),
+        (["--top-p", "2"], "--top-p 2.0: must be less than or equal to 1 (as generation.top_p in a recipe)"),
+        (["--max-tokens", "0"], "--max-tokens 0: must be greater than or equal to 1 (as generation.max_response_"),
+        (["--tp", "0"], "--tp 0: must be greater than or equal to 1 (as generation.tensor_parallel_size in a recipe)"),
+        (["--workers", "0"], "--workers 0: must be greater than or equal to 1 (as reward.workers in a recipe)"),
+        (["--max-problems", "0"], "--max-problems 0: must be greater than or equal to 1 (as data.val_max_problems"),
+        (["--chunk-problems", "0"], "--chunk-problems 0: must be >= 1"),
+        (["--bootstrap", "-1"], "--bootstrap -1: must be >= 0"),
+    ],
+)
+def test_eval_refuses_what_training_refuses_before_any_work(tiny_qwen2, tmp_path, capsys, argv, line):
+    """The ranges are the config keys' own (config.check_value); nothing is generated or written."""
+    out = tmp_path / "out"
+    base = ["eval", "--model", str(tiny_qwen2), "--backend", "hf", "--benchmarks", "aime", "--max-problems", "1"]
+    assert cli.main([*base, "--samples", "1", "--max-tokens", "2", "--out", str(out), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"nemo-disco eval: error: {line}"), err
+    assert not out.exists()
+
+
+def test_eval_and_training_share_their_ranges():
+    """A value training refuses is refused by eval in the same words, and one it takes is taken."""
+    with pytest.raises(config.ConfigError, match=r"^generation.temperature=-1: Input should be greater than 0$"):
+        config.load(str(RECIPE), ["generation.temperature=-1"])
+    assert config.check_value("generation.temperature", 0.6, "--temperature") == 0.6
+    assert config.check_value("data.val_max_problems", None, "--max-problems") is None
+
+
+@pytest.mark.parametrize("flag", ["--tp", "--pp"])
+def test_convert_refuses_a_layout_of_zero_instead_of_writing_one(tiny_qwen2, tmp_path, capsys, flag):
+    out = tmp_path / "mcore"
+    assert cli.main(["convert", "--from-hf", str(tiny_qwen2), "--out", str(out), flag, "0"]) == 2
+    key = {"--tp": "policy.tensor_parallel_size", "--pp": "policy.pipeline_parallel_size"}[flag]
+    err = capsys.readouterr().err
+    assert err == f"nemo-disco convert: error: {flag} 0: must be greater than or equal to 1 (as {key} in a recipe)\n"
+    assert not out.exists()
+
+
+def _torchrun(tmp_path: Path, nproc: int, recipe: Path, timeout: float = 60) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node N -m nemo_disco.cli train`` in a session of its own (killed whole on timeout)."""
+    from procs import free_port, run_group
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+    cmd += ["--master-port", str(free_port()), "-m", "nemo_disco.cli", "train", "--config", str(recipe)]
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env = {**env, "OMP_NUM_THREADS": "1"}
+    return run_group([*cmd, f"logging.run_dir={tmp_path / 'run'}"], timeout=timeout, env=env, cwd=RECIPE.parents[1])
+
+
+def test_an_async_recipe_launched_as_one_process_is_refused_instead_of_hanging(tmp_path):
+    """torchrun's one process used to start the generator itself and wait for ever on torchrun's rendezvous."""
+    res = _torchrun(tmp_path, 1, RECIPE.with_name("tiny-cpu-async.yaml"))
+    assert res.returncode != 0
+    lines = [line for line in res.stderr.splitlines() if line.startswith("nemo-disco train: error: ")]
+    assert lines == [
+        "nemo-disco train: error: the launcher started 1 process(es) but the recipe expects 1 for the trainer + 1 "
+        "for the generator (cluster.* with algorithm.async_rollouts=true): run torchrun --nproc-per-node 2 -m "
+        "nemo_disco.cli train ... or no launcher at all (the trainer then starts the generator's processes itself)"
+    ]
+    assert "asynchronous run without a launcher" not in res.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_world_size_the_recipe_does_not_allow_is_said_once_by_process_zero(tmp_path):
+    res = _torchrun(tmp_path, 2, RECIPE)
+    both = res.stdout + res.stderr
+    assert both.count("nemo-disco train: error:") == 1, both
+    assert (
+        "nemo-disco train: error: the launcher started 2 process(es) but the recipe expects cluster.nodes x "
+        "cluster.gpus_per_node = 1 x 1 = 1: run torchrun --nproc-per-node 1 -m nemo_disco.cli train ...\n"
+    ) in res.stderr
+
+
+def test_launch_ranks_other_than_zero_leave_a_job_wide_error_to_process_zero(bare_env, capsys):
+    bare_env.setattr(cli, "JOB_ERROR_GRACE_S", 0.0)
+    bare_env.setenv("RANK", "1")
+    bare_env.setenv("WORLD_SIZE", "2")
+    assert cli.main(["train", "--config", str(RECIPE), "loss.betta=1"]) == 2
+    assert capsys.readouterr().err == ""
+    bare_env.setenv("RANK", "0")
+    assert cli.main(["train", "--config", str(RECIPE), "loss.betta=1"]) == 2
+    assert capsys.readouterr().err.startswith("nemo-disco train: error: unknown config key 'loss.betta'")
+
+
+def test_plot_names_a_label_count_that_differs_from_the_runs(tmp_path, capsys):
+    runs = [_run_dir(tmp_path / name, None) for name in ("a", "b")]
+    out = tmp_path / "curves.png"
+    assert cli.main(["plot", *map(str, runs), "--labels", "x,y,z", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"nemo-disco plot: error: --labels 'x,y,z' has 3 names for 2 results ({runs[0]}, {runs[1]})\n"
+    assert not out.exists()

@@ -328,3 +328,26 @@ def test_engine_share_and_sleep_level_resolve_by_where_the_generator_runs(tmp_pa
     assert (stated.engine_gpu_memory_utilization, stated.engine_sleep_level) == (0.5, 1)
     with pytest.raises(config.ConfigError, match=r"generation.gpu_memory_utilization"):
         config.load(EXEMPLAR, [*base, "generation.gpu_memory_utilization=1.5"])
+
+
+@pytest.mark.parametrize("names", [["cyc"], ["one", "two"]])
+def test_a_recipe_that_includes_itself_is_named_with_its_loop(tmp_path, names):
+    for name, nxt in zip(names, names[1:] + names[:1], strict=True):
+        (tmp_path / f"{name}.yaml").write_text(f"defaults: [{nxt}, _self_]\nalgorithm:\n  steps: 2\n")
+    loop = " -> ".join(f"{n}.yaml" for n in [*names, names[0]])
+    with pytest.raises(config.ConfigError) as err:
+        config.load(tmp_path / f"{names[0]}.yaml")
+    first = tmp_path.resolve() / f"{names[0]}.yaml"
+    assert str(err.value) == f"{first}: its defaults: list includes itself ({loop}); remove the entry that loops"
+
+
+def test_an_override_with_non_ascii_characters_needs_no_quotes():
+    cfg = config.load(EXEMPLAR, ["logging.run_dir=runs/données", "data.chat_template_kwargs.name=é"])
+    assert cfg.logging.run_dir == "runs/données" and cfg.data.chat_template_kwargs == {"name": "é"}
+    assert config.load(EXEMPLAR, ["logging.run_dir='runs/été'"]).logging.run_dir == "runs/été"
+
+
+def test_an_override_hydra_cannot_parse_is_blamed_not_the_recipe():
+    with pytest.raises(config.ConfigError) as err:
+        config.load(EXEMPLAR, ["data.chat_template_kwargs.x=[é,b]"])
+    assert str(err.value).startswith("override 'data.chat_template_kwargs.x=[é,b]' cannot be parsed: quote a value")

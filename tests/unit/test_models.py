@@ -28,3 +28,16 @@ def test_models_that_cannot_be_loaded_give_one_line(tmp_path, capsys, monkeypatc
     assert err.count("\n") == 1
     assert err.startswith("nemo-disco eval: error: cannot load model 'nemo-disco-test/no-such-model': no folder ")
     assert "tried the Hugging Face hub through the local Hugging Face cache only (HF_HUB_OFFLINE is set)" in err
+
+
+@pytest.mark.parametrize("model", ["runs/nope", "./nope", "../nope", "~/nope", "runs/disco/step_5", "a\\b", "a b/c"])
+def test_a_local_looking_model_that_does_not_exist_fails_at_once_without_the_hub(model, monkeypatch):
+    """A mistyped local folder used to wait for the hub's retries (49 s) before its line."""
+    import transformers
+
+    def asked(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the hub was asked")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", asked)
+    with pytest.raises(FileNotFoundError, match=r"^model folder not found: "):
+        check_model(model)
