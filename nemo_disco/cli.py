@@ -562,6 +562,10 @@ def _convert(args: argparse.Namespace) -> int:
     main_rank = os.environ.get("RANK", "0") == "0"
     if main_rank:
         files.check_fresh_output(out, args.overwrite)
+    if args.from_hf:
+        from nemo_disco.models import check_model
+
+        check_model(args.from_hf, hub=False)  # a damaged file: one line naming it, before any model is built
     # Written beside --out and moved into place when complete: an interrupted conversion leaves no half folder.
     tmp = out.with_name(f".{out.name}.partial")
     if main_rank and tmp.exists():
