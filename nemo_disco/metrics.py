@@ -29,6 +29,11 @@ PLOT_PANELS: tuple[tuple[str, str], ...] = (
     ("mismatch/kl_k3", "generator vs policy KL (k3)"),
     ("val/pass@1", "validation pass@1"),
 )
+#: Panels only some losses have, and the losses (a run's ``loss.name``) that have them. DisCO's family has the KL
+#: constraint; every other loss logs ``train/constraint_active`` as a constant 0, which the plot leaves out.
+LOSS_PANELS: dict[str, tuple[str, ...]] = {"train/constraint_active": ("disco", "discob", "drpo")}
+#: A panel's ``<key>_se`` (a standard error, as ``val/pass@1_se``) where the run logs one: drawn as error bars.
+SE_SUFFIX = "_se"
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
@@ -234,7 +239,10 @@ class Timer:
 
 
 def plot_runs(run_dirs: Sequence[str | Path], out: str | Path, labels: Sequence[str] | None = None) -> Path:
-    """PNG of the training curves of one or several runs overlaid (one panel per metric).
+    """PNG of the training curves of one or several runs overlaid (one panel per metric, one colour per run).
+
+    A metric a run's loss does not have (:data:`LOSS_PANELS`: GRPO's constraint) draws no line for that run, and
+    no panel where no run has it; a metric logged with its standard error (``val/pass@1_se``) has error bars.
 
     Raises:
         ValueError: a run folder has no metrics.jsonl.
@@ -249,22 +257,49 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path, labels: Sequence[
         records = read_jsonl(Path(d) / "metrics.jsonl")
         if not records:
             raise ValueError(f"{d}: no metrics.jsonl records to plot")
-        runs.append(records)
+        runs.append((records, run_loss(d)))
     labels = list(labels) if labels else [Path(d).name for d in run_dirs]
-    panels = [(k, t) for k, t in PLOT_PANELS if any(k in r for recs in runs for r in recs)]
+    panels = [(k, t) for k, t in PLOT_PANELS if any(_has_metric(recs, loss, k) for recs, loss in runs)]
     cols = 3
     rows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.4 * rows), squeeze=False)
     for ax, (key, title) in zip(axes.flat, panels, strict=False):
-        for recs, label in zip(runs, labels, strict=True):
-            pts = [(r["step"], r[key]) for r in recs if r.get(key) is not None]
-            if pts:
-                xs, ys = zip(*pts, strict=True)
-                ax.plot(xs, ys, label=label, marker="." if len(xs) < 50 else None)
-        ax.set_title(title)
+        with_se = False
+        for i, ((recs, loss), label) in enumerate(zip(runs, labels, strict=True)):
+            pts = [(r["step"], r[key], r.get(key + SE_SUFFIX)) for r in recs if r.get(key) is not None]
+            if not pts or not _has_metric(recs, loss, key):
+                continue
+            xs, ys, ses = zip(*pts, strict=True)
+            style = {"label": label, "color": f"C{i}", "marker": "." if len(xs) < 50 else None}
+            if any(se is not None for se in ses):
+                ax.errorbar(xs, ys, yerr=[math.nan if se is None else se for se in ses], capsize=3, **style)
+                with_se = True
+            else:
+                ax.plot(xs, ys, **style)
+        ax.set_title(f"{title} (+- 1 s.e.)" if with_se else title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     return save_figure(fig, axes, len(panels), out)
+
+
+def run_loss(run_dir: str | Path) -> str | None:
+    """The loss a run trains with (``loss.name`` of its ``config.yaml``); None where it has no readable one."""
+    import yaml
+
+    try:
+        cfg = yaml.safe_load((Path(run_dir) / "config.yaml").read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None
+    loss = cfg.get("loss") if isinstance(cfg, dict) else None
+    name = loss.get("name") if isinstance(loss, dict) else None
+    return name if isinstance(name, str) else None
+
+
+def _has_metric(records: list[dict[str, Any]], loss: str | None, key: str) -> bool:
+    """Whether a run has ``key`` to plot: logged, and a metric of its loss (an unknown loss: any logged one)."""
+    if loss is not None and key in LOSS_PANELS and loss not in LOSS_PANELS[key]:
+        return False
+    return any(r.get(key) is not None for r in records)
 
 
 def save_figure(fig: Any, axes: Any, used: int, out: str | Path) -> Path:

@@ -135,3 +135,65 @@ def test_tensorboard_on_a_full_disk_is_switched_off_mid_run(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.count("warning: metrics sink TensorBoard failed (") == 1, out
     assert [r["step"] for r in _records(tmp_path)] == list(range(1, 401))
+
+
+def _write_run(folder, loss: str, records: list[dict]) -> str:
+    """A run folder as training leaves it: metrics.jsonl and the resolved config.yaml (its loss)."""
+    folder.mkdir(parents=True)
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (folder / "config.yaml").write_text(f"loss:\n  name: {loss}\n")
+    return str(folder)
+
+
+def _drawn_panels(monkeypatch, run_dirs: list[str], out) -> dict[str, object]:
+    """``plot_runs``'s panels by title (the axes, before the figure is written and closed)."""
+    from nemo_disco import metrics
+
+    drawn = {}
+
+    def capture(fig, axes, used, out):  # noqa: ANN001, ANN202
+        drawn.update({ax.get_title(): ax for ax in list(axes.flat)[:used]})
+        return out
+
+    monkeypatch.setattr(metrics, "save_figure", capture)
+    metrics.plot_runs(run_dirs, out)
+    return drawn
+
+
+def test_plot_leaves_out_what_a_loss_does_not_have_and_draws_pass_at_1_with_its_standard_error(tmp_path, monkeypatch):
+    """GRPO logs train/constraint_active as a constant 0 (it has no constraint): that used to be a flat line at 0,
+    and validation pass@1 was a bare line though the logs carry its standard error."""
+    steps = [
+        {
+            "step": s,
+            "train/reward_mean": 0.1 * s,
+            "train/constraint_active": 0.0,
+            "val/pass@1": 0.2,
+            "val/pass@1_se": 0.05,
+        }
+        for s in range(1, 4)
+    ]
+    grpo = _write_run(tmp_path / "grpo", "grpo", steps)
+    drawn = _drawn_panels(monkeypatch, [grpo], tmp_path / "grpo.png")
+    assert not any(title.startswith("constraint active") for title in drawn)
+    val = drawn["validation pass@1 (+- 1 s.e.)"]
+    (bars,) = val.containers  # one errorbar container: the run's points and their +- 0.05
+    assert bars.has_yerr
+    segments = bars.lines[2][0].get_segments()
+    assert [tuple(seg[:, 1].round(6)) for seg in segments] == [(0.15, 0.25)] * 3
+
+    disco = _write_run(tmp_path / "disco", "disco", [{**r, "train/constraint_active": 0.5} for r in steps])
+    drawn = _drawn_panels(monkeypatch, [disco, grpo], tmp_path / "both.png")
+    panel = drawn["constraint active (share of updates)"]
+    assert [line.get_label() for line in panel.get_lines()] == ["disco"]  # GRPO's run draws nothing there
+    assert panel.get_lines()[0].get_color() == drawn["training reward"].get_lines()[0].get_color()
+    assert drawn["training reward"].get_lines()[1].get_color() != panel.get_lines()[0].get_color()
+
+
+def test_loss_panels_name_the_losses_with_the_constraint():
+    from nemo_disco.losses.base import constrained_coupling
+    from nemo_disco.losses.registry import LOSSES
+    from nemo_disco.metrics import LOSS_PANELS
+
+    constrained = {name for name, loss in LOSSES.items() if loss.coupling_fn is constrained_coupling}
+    assert set(LOSS_PANELS["train/constraint_active"]) == constrained
