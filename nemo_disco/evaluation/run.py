@@ -32,7 +32,7 @@ from nemo_disco.evaluation.records import (
     write_results,
 )
 from nemo_disco.evaluation.summary import EvalSummary
-from nemo_disco.generation.factory import build_generator, stop_token_ids
+from nemo_disco.generation.factory import build_generator, choose_backend, stop_token_ids
 from nemo_disco.models import check_model
 from nemo_disco.stats import DEFAULT_REPLICATES
 
@@ -147,7 +147,7 @@ def evaluate_model(
     temperature: float = 0.6,
     top_p: float = 0.95,
     max_tokens: int = 8192,
-    backend: Literal["hf", "vllm"] = "vllm",
+    backend: Literal["auto", "hf", "vllm"] = "auto",
     out_dir: str | os.PathLike = "eval_results",
     grader: str = "math_verify",
     seed: int = 0,
@@ -189,7 +189,8 @@ def evaluate_model(
         temperature: sampling temperature (the paper: 0.6).
         top_p: nucleus sampling (the authors' evaluation: 0.95).
         max_tokens: longest response (the paper: 8192 or 32768).
-        backend: "vllm" or "hf" (transformers generate) when ``generator`` is None.
+        backend: "vllm", "hf" (transformers generate) or "auto" (vLLM where it imports and finds a device,
+            else hf; :func:`~nemo_disco.generation.factory.choose_backend`) when ``generator`` is None.
         out_dir: where the records and the tables are written.
         grader: "math_verify" or "deepscaler".
         seed: sampling seed (each chunk's seed derives from it, the benchmark and the chunk's index).
@@ -215,7 +216,7 @@ def evaluate_model(
     Raises:
         ValueError / FileNotFoundError: a model that cannot be loaded (one line naming it and what was
             tried), bad benchmark names, files or settings, an ``out_dir`` that cannot be written or holds
-            another evaluation.
+            another evaluation, ``backend="vllm"`` where vLLM cannot run (all before any work).
     """
     from transformers import AutoTokenizer
 
@@ -226,6 +227,8 @@ def evaluate_model(
     if samples < 1 or max_tokens < 1 or chunk_problems < 1:
         raise ValueError(f"samples={samples}, max_tokens={max_tokens} and chunk_problems={chunk_problems} must be >= 1")
     env = distributed.read_env()
+    if generator is None:  # before any work: a --backend vllm that cannot run is refused here
+        backend, why = choose_backend(backend)
     if env.world_size % tensor_parallel_size:
         raise ValueError(
             f"--tp {tensor_parallel_size} does not divide the {env.world_size} processes of the job (one per GPU)"
@@ -291,6 +294,8 @@ def evaluate_model(
 
         raise OutputError(problem)
     todo = [c for c in chunks if c.key not in done]
+    if env.is_main and generator is None:
+        print(f"evaluation backend: {backend} ({why})", file=sys.stderr)
     if env.is_main:
         print(
             f"evaluation into {out}: graded responses are appended to {out / EVAL_PARTIAL} as they are made",

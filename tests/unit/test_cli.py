@@ -198,6 +198,72 @@ def test_eval_and_training_share_their_ranges():
     assert config.check_value("data.val_max_problems", None, "--max-problems") is None
 
 
+# ----------------------------------------------------------------------------------------------------------------------
+# eval's backend: auto by default, a missing vLLM named in one line
+
+
+def _tiny_eval(tiny_qwen2, tmp_path, *argv: str) -> list[str]:
+    bench = tmp_path / "arith.json"
+    bench.write_text(json.dumps([{"problem": "1+1", "answer": 2}, {"problem": "2+5", "answer": 7}]))
+    small = ["--samples", "1", "--max-tokens", "2", "--workers", "1", "--bootstrap", "0", "--no-chat-template"]
+    return [
+        "eval",
+        "--model",
+        str(tiny_qwen2),
+        "--benchmarks",
+        str(bench),
+        *small,
+        "--out",
+        str(tmp_path / "out"),
+        *argv,
+    ]
+
+
+def test_eval_without_vllm_picks_the_transformers_backend_by_default_and_says_so(
+    tiny_qwen2, tmp_path, capsys, monkeypatch
+):
+    from nemo_disco.generation import factory
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` fails, as where it is not installed
+    assert cli.main(_tiny_eval(tiny_qwen2, tmp_path)) == 0
+    err = capsys.readouterr().err
+    assert err.count("evaluation backend:") == 1 and "evaluation backend: hf (auto: vLLM is not installed)\n" in err
+    assert (tmp_path / "out" / "responses.jsonl").is_file()
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())  # a finished result
+    # Where vLLM imports and finds a device, auto is vLLM; hf asked for is hf without looking for vLLM.
+    monkeypatch.setattr(factory, "vllm_problem", lambda: None)
+    assert factory.choose_backend("auto") == ("vllm", "auto: vLLM is usable here")
+    monkeypatch.setattr(factory, "vllm_problem", lambda: pytest.fail("hf needs no vLLM probe"))
+    assert factory.choose_backend("hf") == ("hf", "asked for")
+    help_text = cli.build_parser()._subparsers._group_actions[0].choices["eval"].format_help()
+    assert "(default: auto)" in " ".join(help_text.split())
+
+
+def test_eval_with_vllm_asked_for_where_it_is_missing_fails_in_one_line_before_any_work(
+    tiny_qwen2, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` fails, as where it is not installed
+    assert cli.main(_tiny_eval(tiny_qwen2, tmp_path, "--backend", "vllm")) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith("nemo-disco eval: error: --backend vllm: vLLM is not installed (") and "--backend hf" in err
+    assert not (tmp_path / "out").exists()  # nothing written: no partial/ to refuse the --backend hf retry
+    assert cli.main(_tiny_eval(tiny_qwen2, tmp_path, "--backend", "hf")) == 0
+
+
+def test_the_real_probe_names_a_missing_vllm():
+    """In this environment (tests run without vLLM; .venv-vllm has it): the probe agrees with the import."""
+    import importlib.util
+
+    from nemo_disco.generation import factory
+
+    if importlib.util.find_spec("vllm.sampling_params") is None:
+        assert factory.vllm_problem() == "vLLM is not installed"  # tests/vllm, a folder on the path, is not it
+        assert factory.choose_backend("auto")[0] == "hf"
+        with pytest.raises(config.ConfigError, match=r"^--backend vllm: vLLM is not installed \("):
+            factory.choose_backend("vllm")
+
+
 @pytest.mark.parametrize("flag", ["--tp", "--pp"])
 def test_convert_refuses_a_layout_of_zero_instead_of_writing_one(tiny_qwen2, tmp_path, capsys, flag):
     out = tmp_path / "mcore"
