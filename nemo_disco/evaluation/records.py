@@ -171,7 +171,15 @@ def grade_responses_file(
             bench = records[i]["benchmark"]
             if bench not in answers:
                 source = sources[bench] if sources is not None else bench
-                problems = benchmark_problems(source)
+                try:
+                    problems = benchmark_problems(source)
+                except FileNotFoundError as err:
+                    if sources is not None:
+                        raise
+                    raise FileNotFoundError(
+                        f"{path}:{lines[i]}: benchmark {bench!r} of these results: {err}; name its file with "
+                        "--benchmarks"
+                    ) from None
                 answers[bench] = {p.index: p.answer for p in problems}
             idx = records[i]["problem_index"]
             if idx not in answers[bench]:

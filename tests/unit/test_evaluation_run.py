@@ -123,3 +123,86 @@ def test_chunk_seeds_depend_on_benchmark_and_chunk_only():
     seeds = {chunk_seed(0, b, k) for b in ("aime", "math") for k in range(50)}
     assert len(seeds) == 100 and all(0 <= s < 2**31 for s in seeds)
     assert chunk_seed(0, "math", 3) == chunk_seed(0, "math", 3) != chunk_seed(1, "math", 3)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# A failure before the first record leaves no partial/ behind
+
+
+class _Fails:
+    """A generator that fails in its first generate call (an engine that runs out of memory, say)."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def generate(self, prompt_token_ids, n, sampling):  # noqa: ANN001, ANN201
+        raise self.error
+
+    def shutdown(self) -> None:
+        pass
+
+
+def test_a_failure_before_the_first_record_leaves_no_partial_and_a_retry_with_other_settings_runs(
+    tiny_qwen2, tmp_path, capsys, monkeypatch
+):
+    from nemo_disco.evaluation import run
+    from nemo_disco.generation.hf import HFGenerator
+
+    bench = _arith_bench(tmp_path)
+    kwargs = dict(samples=2, temperature=1.0, top_p=1.0, max_tokens=4, template="{problem}=", workers=1,
+                  chunk_problems=2, replicates=0, max_problems=4)  # fmt: skip
+    out = tmp_path / "eval"
+
+    # The engine fails to start: no partial/ (and no settings in it) stays behind.
+    def broken_engine(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+        raise RuntimeError("the engine did not start")
+
+    monkeypatch.setattr(run, "build_generator", broken_engine)
+    with pytest.raises(RuntimeError, match="the engine did not start"):
+        evaluate_model(tiny_qwen2, [str(bench)], out_dir=out, backend="hf", **kwargs)
+    assert not (out / "partial").exists()
+    # The first generate call fails, or is interrupted: the same.
+    with pytest.raises(RuntimeError, match="out of memory"):
+        evaluate_model(tiny_qwen2, [str(bench)], out_dir=out, generator=_Fails(RuntimeError("out of memory")), **kwargs)
+    assert not (out / "partial").exists()
+    with pytest.raises(KeyboardInterrupt):
+        evaluate_model(tiny_qwen2, [str(bench)], out_dir=out, generator=_Fails(KeyboardInterrupt()), **kwargs)
+    assert f"interrupted before any response was written: {out / 'partial'} removed" in capsys.readouterr().err
+    assert not (out / "partial").exists()
+    # A partial/ holding settings but no record (left by an older version, or a kill before the first chunk) does
+    # not refuse a retry with another backend: it starts over.
+    (out / "partial").mkdir(parents=True)
+    (out / "partial" / "settings.json").write_text(json.dumps({"backend": "vllm", "samples": 2}))
+    (out / "partial" / "part-0.jsonl").write_text('{"benchmark": "arith", "problem_in')  # cut short: no record
+    monkeypatch.undo()
+    summary = evaluate_model(tiny_qwen2, [str(bench)], out_dir=out, generator=HFGenerator(tiny_qwen2), **kwargs)
+    assert [(r.benchmark, r.problems, r.samples) for r in summary.rows] == [("arith", 4, 2)]
+    assert (out / RESPONSES_FILE).is_file() and not (out / "partial").exists()
+
+
+def test_a_failure_after_records_keeps_them_to_continue(tiny_qwen2, tmp_path):
+    """A failure after the first chunk keeps partial/ (the resume of an interrupted evaluation is unchanged)."""
+    from nemo_disco.generation.hf import HFGenerator
+
+    bench = _arith_bench(tmp_path)
+    kwargs = dict(samples=2, temperature=1.0, top_p=1.0, max_tokens=4, template="{problem}=", workers=1,
+                  chunk_problems=2, replicates=0, max_problems=4)  # fmt: skip
+    out = tmp_path / "eval"
+
+    class _FailsSecond(_StopAfter):
+        def generate(self, prompt_token_ids, n, sampling):  # noqa: ANN001, ANN201
+            if self.calls == 1:
+                raise RuntimeError("out of memory")
+            return super().generate(prompt_token_ids, n, sampling)
+
+    generator = HFGenerator(tiny_qwen2)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        evaluate_model(tiny_qwen2, [str(bench)], out_dir=out, generator=_FailsSecond(generator), **kwargs)
+    assert len((out / "partial" / "part-0.jsonl").read_text().splitlines()) == 2 * 2  # the first chunk
+    with pytest.raises(ValueError, match=r"holds an interrupted evaluation with samples=2 \(this command: 3\)"):
+        evaluate_model(tiny_qwen2, [str(bench)], out_dir=out, generator=_FailsSecond(generator),
+                       **{**kwargs, "samples": 3})  # fmt: skip
+    again = _FailsSecond(generator)
+    again.calls = 2  # fails no more
+    summary = evaluate_model(tiny_qwen2, [str(bench)], out_dir=out, generator=again, **kwargs)
+    assert again.calls == 3 and [(r.problems, r.samples) for r in summary.rows] == [(4, 2)]  # one chunk was left
