@@ -282,3 +282,14 @@ def test_the_config_checks_the_reward_function_path():
     raw["reward"]["function"] = "my rewards.py"
     with pytest.raises(config.ConfigError, match="reward.function"):
         config.validate(raw)
+
+
+@pytest.mark.parametrize("share", [-0.1, 1.5])
+def test_the_config_checks_the_tolerated_share_of_failed_rewards(share):
+    from nemo_disco import config
+
+    raw = config.RunConfig().model_dump(mode="json")
+    assert raw["reward"]["max_error_share"] == 1.0
+    raw["reward"]["max_error_share"] = share
+    with pytest.raises(config.ConfigError, match=r"reward\.max_error_share"):
+        config.validate(raw)
