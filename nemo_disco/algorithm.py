@@ -336,6 +336,9 @@ def train_step(tr: Trainer) -> dict[str, float]:
     correction = update.Correction(cfg.rollout_correction, cfg.loss.rollout_correction_cap)
     with timer("step"):
         records, metrics = tr.rollouts.next(tr.step + 1)
+        failed = rollouts.reward_errors_line(metrics)
+        if failed:  # every step with a failed reward says so (they score 0 and train as negatives)
+            tr.logger.write(f"step {tr.step + 1}: {failed}")
         batch = collate_questions(records, pad_id=tr.tokenizer.pad_token_id)
         num_mb = tr.cfg.updates_per_step
         local = batch.select(_local_rows(len(batch), num_mb, policy))

@@ -205,6 +205,9 @@ class RewardConfig(_Section):
     # Any verifier as the reward: "package.module:function", called in the grading workers (same timeout) as
     # fn(response, answer, problem=..., **row_fields) -> float instead of the grader; null = the grader.
     function: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    # A step whose failed rewards (errors: exceptions, non-numbers, NaN / inf; timeouts) reach this share of its
+    # rewards stops the run in one line (exit code 2). 1.0: only a step where every reward failed; 0: any failure.
+    max_error_share: float = Field(1.0, ge=0, le=1)
 
 
 class LossConfig(_Section):

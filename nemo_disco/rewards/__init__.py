@@ -38,7 +38,9 @@ need the main thread and integer seconds).
 Any verifier as a reward (``reward.function: "package.module:function"``): the pool's workers call
 ``fn(response, answer, problem=..., **row_fields) -> float`` instead of a math grader, with the same timeout,
 kill-and-replace and death handling. ``row_fields`` are the data row's other columns (``data.Problem.fields``).
-An exception scores 0 and counts in ``reward/errors``; the first one a pool sees is logged with its traceback.
+An exception, a value that is not a number and NaN or an infinity score 0 and count in ``reward/errors``; the first
+one a pool sees is logged with its traceback, the first timeout in a line; ``GraderPool.first_error`` describes the
+last call's first failure in one line (the trainer's stop at ``reward.max_error_share`` quotes it).
 :func:`load_reward_function` resolves the path in the trainer at start-up (one-line error), the workers again
 (the current folder is on their path too). The function runs model output through whatever it does: a code
 reward must execute it in a sandbox of its own (docs/rewards.md).

@@ -84,6 +84,8 @@ def worker_main() -> None:
                 import traceback
 
                 result["traceback"] = traceback.format_exc(limit=-8)[-4000:]
+                first = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
+                result["error"] = f"{type(err).__name__}: {first}" if first else type(err).__name__
         out.write(json.dumps(result) + "\n")
 
 
@@ -238,7 +240,9 @@ class GraderPool:
         if function is not None:  # the workers import it from the trainer's current folder too
             env["PYTHONPATH"] = os.pathsep.join((env["PYTHONPATH"], os.getcwd()))
         self.function = function
-        self._error_logged = False
+        self._error_logged = self._timeout_logged = False
+        #: The first failed item's one-line description in the last :meth:`score` call (None: no item failed).
+        self.first_error: str | None = None
         self._env = env
         self._workers: list[_Worker] = [_Worker(env) for _ in range(workers)]
         self._finalizer = weakref.finalize(self, _shutdown, self._workers)
@@ -266,6 +270,23 @@ class GraderPool:
         self.restarts += 1
         return fresh
 
+    def _failed(self, what: str) -> None:
+        """Note one failed item (an error or a timeout): the first of a :meth:`score` call is kept in one line."""
+        if self.first_error is None:
+            self.first_error = what
+
+    def _timed_out(self) -> None:
+        subject = f"reward.function {self.function}" if self.function else f"grader {self.grader}"
+        self._failed(f"{subject} ran past reward.timeout_s={self.timeout_s:g} s on an item")
+        if self.function is not None and not self._timeout_logged:  # a hanging function is seen at once, not later
+            self._timeout_logged = True
+            logger.warning(
+                "reward.function %s ran past reward.timeout_s=%g s on an item (scored 0, counted in reward/timeouts; "
+                "logged once)",
+                self.function,
+                self.timeout_s,
+            )
+
     def _lost(self, worker: _Worker, item: int, pending: deque, retried: set[int], scores: list[float]) -> int:
         """``worker`` died holding ``item``: replace it and queue the item again once; returns the errors to count."""
         code = worker.proc.poll()
@@ -273,6 +294,7 @@ class GraderPool:
         self._replace(worker)
         if item in retried:
             scores[item] = 0.0
+            self._failed(f"the grading worker died (exit {code}) on an item twice")
             logger.warning(
                 "grader worker died (exit %s) on item %d a second time: scored 0 (reward/errors)", code, item
             )
@@ -295,7 +317,8 @@ class GraderPool:
         ``reward.function``; the math graders ignore them.
 
         Returns:
-            scores (1.0 / 0.0 each) and metrics ``reward/timeouts``, ``reward/errors``, ``reward/restarts``.
+            scores (1.0 / 0.0 each) and metrics ``reward/timeouts``, ``reward/errors``, ``reward/restarts``. A failed
+            item (an error, a timeout) scores 0; :attr:`first_error` describes the call's first in one line.
 
         Raises:
             ValueError: the two sequences differ in length.
@@ -308,6 +331,7 @@ class GraderPool:
         n = len(responses)
         scores = [0.0] * n
         timeouts = errors = 0
+        self.first_error = None
         restarts_before = self.restarts
         pending = deque(range(n))
         retried: set[int] = set()
@@ -355,6 +379,11 @@ class GraderPool:
                         scores[i] = float(msg["score"])
                         timeouts += bool(msg.get("timeout"))
                         errors += "error" in msg
+                        if msg.get("timeout"):
+                            self._timed_out()
+                        elif "error" in msg:
+                            subject = f"reward.function {self.function}" if self.function else f"grader {self.grader}"
+                            self._failed(f"{subject} failed on an item: {msg['error']}")
                         if "traceback" in msg and not self._error_logged:
                             self._error_logged = True
                             logger.warning(
@@ -379,6 +408,7 @@ class GraderPool:
                     if w.item is not None and now >= w.deadline:
                         timeouts += 1
                         done += 1
+                        self._timed_out()
                         self._replace(w)
         finally:
             sel.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import math
 import os
 import re
 import sys
@@ -97,8 +98,17 @@ def load_reward_function(path: str) -> Callable[..., Any]:
 
 
 def call_reward(fn: Callable[..., Any], response: str, truth: Any, problem: str, fields: dict[str, Any]) -> float:
-    """Call a user reward function; its value as a float (TypeError unless it is a number)."""
+    """Call a user reward function; its value as a float.
+
+    Raises:
+        TypeError: it returned something other than a number (a string, None, a bool).
+        ValueError: it returned NaN or an infinity (an error like any other: such a reward would make every rollout
+            a negative, or a positive).
+    """
     value = fn(response, truth, problem=problem, **fields)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"the reward function returned a {type(value).__name__}, expected a float")
-    return float(value)
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"the reward function returned {value}, expected a finite float")
+    return value

@@ -28,9 +28,12 @@ from nemo_disco.data import PromptSampler
 from nemo_disco.rollouts.local import LocalRollouts, generation_phase, is_colocated, start_generator
 from nemo_disco.rollouts.remote import RemoteRollouts, receive_weights, send_weights, serve
 from nemo_disco.rollouts.rollouter import (
+    RewardError,
     Rollouter,
     build_grader,
     build_rollouter,
+    check_reward_errors,
+    reward_errors_line,
     sampling_params,
     staleness_metrics,
     step_rollouts,
@@ -40,13 +43,16 @@ from nemo_disco.rollouts.rollouter import (
 __all__ = [
     "LocalRollouts",
     "RemoteRollouts",
+    "RewardError",
     "RolloutSource",
     "Rollouter",
     "build_grader",
     "build_rollouter",
+    "check_reward_errors",
     "generation_phase",
     "is_colocated",
     "receive_weights",
+    "reward_errors_line",
     "sampling_params",
     "send_weights",
     "serve",

@@ -17,6 +17,9 @@ The message protocol (docs/async.md)::
         {"kind": "stop", "code": exit code}
     up (generator rank 0 -> trainer rank 0, from a sender thread, in order):
         {"kind": "rollouts", "step": t, "version": v, "records": [...], "metrics": {...}, "sampler": {...}}
+        {"kind": "rollouts", "step": t, "version": v, "failed": line}: too many of step t's rewards failed
+            (reward.max_error_share); the generator makes no more, the trainer stops it (code 0) at step t and
+            ends the run with the line (exit code 2)
         {"kind": "validation", "step": v, "per_problem": [...]}
 
 Checkpoints (async): the rollouts already made for the steps after the checkpoint (at most
@@ -162,7 +165,8 @@ class RemoteRollouts:
             msg = self.link.recv_up()
             if msg["kind"] == "rollouts":
                 self.pending[msg["step"]] = msg
-                self.sampler_state = msg["sampler"]
+                if "failed" not in msg:
+                    self.sampler_state = msg["sampler"]
             else:
                 self.validations[msg["step"]] = msg
         return box.pop(step)
@@ -172,6 +176,10 @@ class RemoteRollouts:
         t0 = time.perf_counter()
         msg = self._receive("rollouts", step) if self.leader else None
         msg = distributed.broadcast_object(msg, src=0)
+        if "failed" in msg:  # too many of the step's rewards failed: the generator is told to stop, the run ends
+            if self.leader:
+                self.link.send_down({"kind": "stop", "code": 0})  # quietly: this error is the run's one line
+            raise rollouter.RewardError(msg["failed"])
         wait = time.perf_counter() - t0
         metrics = {**msg["metrics"], "timing/wait_rollouts": wait, **staleness_metrics(step, msg["version"])}
         return msg["records"], metrics
@@ -201,7 +209,13 @@ class RemoteRollouts:
             last = min(step + self.cfg.algorithm.max_staleness, self.cfg.algorithm.steps)
             for s in range(step + 1, last + 1):
                 self.pending[s] = self._receive("rollouts", s)
-        pending = [{**m, "records": [r.to_dict() for r in m["records"]]} for _, m in sorted(self.pending.items())]
+                if "failed" in self.pending[s]:  # the run stops at that step; a resume generates it again
+                    break
+        pending = [
+            {**m, "records": [r.to_dict() for r in m["records"]]}
+            for _, m in sorted(self.pending.items())
+            if "failed" not in m
+        ]
         return {"sampler": self.sampler_state, "pending_rollouts": pending}
 
     def close(self, code: int | None) -> None:
@@ -277,6 +291,7 @@ def serve(cfg: RunConfig, env: distributed.DistEnv, link: distributed.Link, wd: 
     sender = _Sender(link if env.rank == 0 else None)
     a = cfg.algorithm
     next_step = start["next_step"]
+    failed = False  # a step's rewards failed (reward.max_error_share): the trainer stops at it, nothing more to make
     try:
         while True:
             if head["kind"] == "stop":
@@ -289,9 +304,16 @@ def serve(cfg: RunConfig, env: distributed.DistEnv, link: distributed.Link, wd: 
                 with wd.phase("validation", f"generator: validation after step {version}"):
                     per_problem = ro.validate(*val, cfg.data.val_samples, head["validate"])
                 sender.put({"kind": "validation", "step": version, "per_problem": per_problem})
-            while head["generate"] and next_step <= a.steps and version >= next_step - 1 - a.max_staleness:
+            while (
+                head["generate"] and not failed and next_step <= a.steps and version >= next_step - 1 - a.max_staleness
+            ):
                 with wd.phase("step", f"generator: rollouts of step {next_step}"):
-                    records, metrics = rollouter.step_rollouts(ro, next_step)
+                    try:
+                        records, metrics = rollouter.step_rollouts(ro, next_step)
+                    except rollouter.RewardError as err:  # the trainer ends the run with it, in one line
+                        sender.put({"kind": "rollouts", "step": next_step, "version": version, "failed": str(err)})
+                        failed = True
+                        break
                 msg = {"kind": "rollouts", "step": next_step, "version": version, "records": records}
                 sender.put({**msg, "metrics": metrics, "sampler": sampler.state_dict()})
                 next_step += 1

@@ -10,7 +10,7 @@ from typing import Any
 
 from nemo_disco import distributed, hooks
 from nemo_disco.batch import QuestionRollouts
-from nemo_disco.config import RunConfig
+from nemo_disco.config import ConfigError, RunConfig
 from nemo_disco.data import PromptSampler
 from nemo_disco.generation.base import EngineLayout, Generator, SamplingParams
 from nemo_disco.generation.factory import stop_token_ids
@@ -19,6 +19,10 @@ from nemo_disco.rewards import GraderPool
 
 # ----------------------------------------------------------------------------------------------------------------------
 # The run's grader, sampling settings and seeds
+
+
+class RewardError(ConfigError):
+    """So many rewards of a step failed (``reward.max_error_share``) that the run stops: one line, exit code 2."""
 
 
 def build_grader(cfg: RunConfig) -> GraderPool:
@@ -66,6 +70,8 @@ class Rollouter:
     grader: GraderPool
     engines: EngineLayout
     phase: Callable[[Timer], contextlib.AbstractContextManager] = field(default=lambda _timer: contextlib.nullcontext())
+    #: The first failed reward's one-line description in the current step (None: none failed so far).
+    first_reward_error: str | None = None
 
     def engine_seed(self, seed: int) -> int:
         """The sampling seed of this process's engine: engines draw independent streams.
@@ -116,10 +122,18 @@ class Rollouter:
                 )
             )
         records = self.gather_engines(records)
-        timeouts, errors = distributed.sum_floats(
-            [grade_metrics.get("reward/timeouts", 0.0), grade_metrics.get("reward/errors", 0.0)]
+        timeouts, errors, graded = distributed.sum_floats(
+            [grade_metrics.get("reward/timeouts", 0.0), grade_metrics.get("reward/errors", 0.0), float(len(texts))]
         )
-        return records, {**timer.metrics(), "reward/timeouts": timeouts, "reward/errors": errors}
+        if (timeouts or errors) and self.first_reward_error is None:  # every rank agrees on the sums
+            mine = self.grader.first_error if self.engines.leader and texts else None
+            self.first_reward_error = next((e for e in self.gather_engines([mine]) if e), None)
+        return records, {
+            **timer.metrics(),
+            "reward/timeouts": timeouts,
+            "reward/errors": errors,
+            "reward/graded": graded,
+        }
 
     def validate(self, problems: list, prompt_ids: list[list[int]], samples: int, seed: int) -> list[float]:
         """Per-problem pass@1 (share of ``samples`` correct samples), in problem order, identical on every rank.
@@ -219,7 +233,9 @@ def step_rollouts(
     cfg = ro.cfg
     need = cfg.algorithm.prompts_per_step
     base_seed = step_seed(cfg, step)
+    ro.first_reward_error = None
     records, metrics = collect(ro.sampler.next_batch(), base_seed)
+    check_reward_errors(cfg, step, metrics, ro.first_reward_error)
     if cfg.algorithm.dynamic_sampling:
         threshold = cfg.reward.positive_threshold
         kept = [r for r in records if _has_variance(r, threshold)]
@@ -230,6 +246,7 @@ def step_rollouts(
             more, m = collect(ro.sampler.next_batch(), base_seed + rounds)
             for k, v in m.items():
                 metrics[k] = metrics.get(k, 0.0) + v
+            check_reward_errors(cfg, step, metrics, ro.first_reward_error)  # the rounds so far: stop before the next
             kept += [r for r in more if _has_variance(r, threshold)]
             spare += [r for r in more if not _has_variance(r, threshold)]
             rounds += 1
@@ -238,7 +255,40 @@ def step_rollouts(
         records = (kept + spare)[:need]
         metrics["train/informative_share"] = min(len(kept), need) / need
     _shape_overlong(cfg, records)
+    if metrics.get("reward/graded"):
+        failed = metrics.get("reward/errors", 0.0) + metrics.get("reward/timeouts", 0.0)
+        metrics["reward/failed_share"] = failed / metrics["reward/graded"]
     return records, metrics
+
+
+def reward_errors_line(metrics: dict[str, float]) -> str | None:
+    """``reward errors 3/64 (2 timeouts)``: the step's failed rewards (errors and timeouts); None when none failed."""
+    errors, timeouts = int(metrics.get("reward/errors", 0)), int(metrics.get("reward/timeouts", 0))
+    if not errors and not timeouts:
+        return None
+    graded = int(metrics.get("reward/graded", 0))
+    return f"reward errors {errors + timeouts}/{graded} ({timeouts} timeout{'' if timeouts == 1 else 's'})"
+
+
+def check_reward_errors(cfg: RunConfig, step: int, metrics: dict[str, float], first_error: str | None) -> None:
+    """Stop the run when the step's failed rewards reach ``reward.max_error_share`` of those graded so far.
+
+    A failed reward is an error (an exception, a non-number, NaN or an infinity, a worker that died twice) or a
+    timeout; it scores 0. With the default 1.0 the run stops only when every reward failed: a reward function
+    that fails on everything would otherwise train on reward 0 to the end.
+
+    Raises:
+        RewardError: one line with the counts, the key and the first failure's description.
+    """
+    graded = metrics.get("reward/graded", 0.0)
+    failed = metrics.get("reward/errors", 0.0) + metrics.get("reward/timeouts", 0.0)
+    limit = cfg.reward.max_error_share
+    if not graded or not failed or failed < limit * graded - 1e-9:
+        return
+    reached = "every reward failed" if failed >= graded else f"reward.max_error_share={limit:g} reached"
+    raise RewardError(
+        f"step {step}: {reward_errors_line(metrics)}: {reached}, stopping; the first: {first_error or 'unknown'}"
+    )
 
 
 def staleness_metrics(step: int, version: int) -> dict[str, float]:

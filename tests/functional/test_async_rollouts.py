@@ -129,6 +129,48 @@ def test_async_without_generator_processes_is_a_one_line_error(tmp_path):
     assert "cluster.generation_gpus_per_node" in done.stderr and "Traceback" not in done.stderr
 
 
+LATE_NAN = """
+import fcntl, os
+
+def late_nan(response, answer, **fields):  # 1.0 for step 1's 32 rollouts, NaN from the 33rd call on
+    with open(os.environ["CALLS_FILE"], "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.write(".")
+        f.flush()
+        calls = os.path.getsize(os.environ["CALLS_FILE"])
+    return 1.0 if calls <= 32 else float("nan")
+
+
+def fine(response, answer, **fields):
+    return 1.0
+"""
+
+
+def test_rewards_that_all_fail_in_the_generator_stop_the_run_in_one_line_at_their_step(tmp_path):
+    # Step 2's rollouts (made ahead, while step 1 trains) are all NaN: the checkpoint after step 1 leaves them out,
+    # the trainer stops at step 2 with the generator's line (exit 2) and tells the generator to stop (no 60 s wait).
+    (tmp_path / "late_rewards.py").write_text(LATE_NAN)
+    env = trainer_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
+    env["CALLS_FILE"] = str(tmp_path / "calls")
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "nemo_disco.cli", "train", "--config", str(RECIPE), f"logging.run_dir={run}"]
+    cmd += [*RUN, *ASYNC, "algorithm.max_staleness=1", "checkpoint.save_every=1"]
+    t0 = time.time()
+    done = run_group([*cmd, "reward.function=late_rewards:late_nan"], cwd=ROOT, env=env, timeout=600)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        "nemo-disco train: error: step 2: reward errors 32/32 (0 timeouts): every reward failed, stopping; the "
+        "first: reward.function late_rewards:late_nan failed on an item: ValueError: the reward function returned "
+        "nan, expected a finite float"
+    )
+    assert "still up after" not in done.stderr and time.time() - t0 < 60
+    assert [r["step"] for r in metrics(run)] == [1] and checkpoint_names(run) == ["step_1"]
+    resumed = run_group([*cmd, "reward.function=late_rewards:fine"], cwd=ROOT, env=env, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4]
+
+
 PROBE = """
 import json, os, torch
 

@@ -316,6 +316,43 @@ def test_training_with_a_user_reward_function_from_the_current_folder(tmp_path):
     assert "reward.function='my_rewards:nope': module 'my_rewards' has no attribute 'nope'" in bad.stderr
 
 
+def test_failed_rewards_are_said_each_step_and_a_step_where_all_failed_stops_the_run(tmp_path):
+    # Before: a function that raised on some items left no line per step, and one returning NaN trained to the
+    # end with exit code 0 (every rollout a negative).
+    (tmp_path / "flaky_rewards.py").write_text(
+        "import zlib\n\n\n"
+        "def some(response, answer, *, problem, **fields):\n"
+        "    if zlib.crc32(response.encode()) % 3 == 0:\n"
+        "        raise RuntimeError('cannot grade this one')\n"
+        "    return 1.0 if answer in response else 0.0\n\n\n"
+        "def nan(response, answer, *, problem, **fields):\n"
+        "    return float('nan')\n"
+    )
+    fast = [o for o in FAST_TINY if not o.startswith("algorithm.warmup_sft_steps=")]
+    cmd = [sys.executable, "-m", "nemo_disco.cli", "train", "--config", str(RECIPE), *fast]
+    cmd += ["algorithm.warmup_sft_steps=0", "algorithm.steps=2"]
+    env = {**_env(), "PYTHONPATH": str(ROOT)}
+
+    def train(name: str) -> subprocess.CompletedProcess:
+        more = [f"logging.run_dir=run_{name}", f"reward.function=flaky_rewards:{name}"]
+        return subprocess.run(cmd + more, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+
+    some = train("some")
+    assert some.returncode == 0, some.stderr[-3000:]
+    records = _metrics(tmp_path / "run_some")
+    said = [line for line in some.stdout.splitlines() if "reward errors" in line]
+    assert said == [f"step {r['step']}: reward errors {r['reward/errors']:.0f}/32 (0 timeouts)" for r in records]
+    assert all(0 < r["reward/errors"] < 32 and r["reward/failed_share"] == r["reward/errors"] / 32 for r in records)
+    nan = train("nan")
+    assert nan.returncode == 2, nan.stderr[-3000:]
+    assert nan.stderr.strip().splitlines()[-1] == (
+        "nemo-disco train: error: step 1: reward errors 32/32 (0 timeouts): every reward failed, stopping; the first: "
+        "reward.function flaky_rewards:nan failed on an item: ValueError: the reward function returned nan, expected "
+        "a finite float"
+    )
+    assert not (tmp_path / "run_nan" / "metrics.jsonl").exists()  # no step was trained on NaN rewards
+
+
 def _start(run: Path, *overrides: str) -> subprocess.Popen:
     """A training run in a session of its own (a terminal's Ctrl-C signals the whole foreground group)."""
     cmd = [sys.executable, "-m", "nemo_disco.cli", "train", "--config", str(RECIPE), f"logging.run_dir={run}"]

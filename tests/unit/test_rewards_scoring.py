@@ -182,6 +182,16 @@ def picky(response, answer, *, problem, **fields):
     return 0.25
 
 
+def odd(response, answer, *, problem, **fields):
+    """A reward that is not a finite number for some responses."""
+    return {"nan": float("nan"), "inf": float("inf"), "-inf": -float("inf"), "big": 10**400}.get(response, 1.0)
+
+
+def hangs(response, answer, *, problem, **fields):
+    time.sleep(30)
+    return 1.0
+
+
 NOT_CALLABLE = 3
 '''
 
@@ -212,7 +222,36 @@ def test_a_raising_or_hanging_user_function_scores_0_counted_and_logged_once(use
     assert metrics["reward/errors"] == 3  # two KeyErrors and a str returned instead of a float
     assert metrics["reward/timeouts"] == 1
     logged = [r.getMessage() for r in caplog.records if "reward.function" in r.getMessage()]
-    assert len(logged) == 1 and "KeyError: 'no such thing'" in logged[0] and "Traceback" in logged[0]
+    assert len(logged) == 2 and "KeyError: 'no such thing'" in logged[0] and "Traceback" in logged[0]
+    assert "ran past reward.timeout_s=1 s" in logged[1]  # the first timeout, logged once too
+    assert pool.first_error == f"reward.function {user_module}:picky failed on an item: KeyError: 'no such thing'"
+
+
+def test_a_non_finite_reward_is_an_error_that_scores_0(user_module):
+    # NaN made every rollout a negative and inf every one a positive (validation pass@1 1.000): now errors.
+    with GraderPool(timeout_s=5.0, workers=1, function=f"{user_module}:odd") as pool:
+        scores, metrics = pool.score(["ok", "nan", "inf", "-inf", "big", "ok"], ["1"] * 6)
+        assert scores == [1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+        assert metrics["reward/errors"] == 4 and metrics["reward/timeouts"] == 0
+        assert pool.first_error == (
+            f"reward.function {user_module}:odd failed on an item: ValueError: the reward function returned nan, "
+            "expected a finite float"
+        )
+        pool.score(["ok"], ["1"])
+        assert pool.first_error is None  # per call
+
+
+def test_a_hanging_user_function_is_logged_at_its_first_timeout(user_module, caplog):
+    with GraderPool(timeout_s=0.5, workers=1, kill_grace_s=0.5, function=f"{user_module}:hangs") as pool:
+        with caplog.at_level("WARNING", logger="nemo_disco.rewards"):
+            scores, metrics = pool.score(["a", "b"], ["1", "1"])
+    assert scores == [0.0, 0.0] and metrics["reward/timeouts"] == 2 and metrics["reward/errors"] == 0
+    assert pool.first_error == f"reward.function {user_module}:hangs ran past reward.timeout_s=0.5 s on an item"
+    logged = [r.getMessage() for r in caplog.records if "reward.function" in r.getMessage()]
+    assert logged == [
+        f"reward.function {user_module}:hangs ran past reward.timeout_s=0.5 s on an item (scored 0, counted in "
+        "reward/timeouts; logged once)"
+    ]
 
 
 @pytest.mark.parametrize(
@@ -242,4 +281,15 @@ def test_the_config_checks_the_reward_function_path():
     assert config.validate(raw).reward.function == "my_rewards:fmt"
     raw["reward"]["function"] = "my rewards.py"
     with pytest.raises(config.ConfigError, match="reward.function"):
+        config.validate(raw)
+
+
+@pytest.mark.parametrize("share", [-0.1, 1.5])
+def test_the_config_checks_the_tolerated_share_of_failed_rewards(share):
+    from nemo_disco import config
+
+    raw = config.RunConfig().model_dump(mode="json")
+    assert raw["reward"]["max_error_share"] == 1.0
+    raw["reward"]["max_error_share"] = share
+    with pytest.raises(config.ConfigError, match=r"reward\.max_error_share"):
         config.validate(raw)

@@ -3,6 +3,7 @@ stopping rule and one step sampled and graded on one engine."""
 
 from __future__ import annotations
 
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -103,3 +104,120 @@ def test_build_rollouter_samples_and_grades_a_step_on_one_engine(tiny_qwen2):
         assert len(rec.responses) == len(rec.logprobs) == len(rec.finish) == len(rec.rewards) == g
         assert all(len(lp) == len(resp) <= 12 for lp, resp in zip(rec.logprobs, rec.responses, strict=True))
     assert metrics["reward/timeouts"] == metrics["reward/errors"] == 0.0 and metrics["timing/generate"] > 0
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Failed rewards: counted, said in the step's line, and a run stops when (a share of) a step's rewards failed
+
+
+def _failing_collector(sampler: _Sampler, failed_per_round: list[tuple[int, int]], graded: int = 20):
+    """Rounds of 10 zero-variance questions; round k reports ``failed_per_round[k]`` = (errors, timeouts)."""
+
+    def collect(question_ids, seed):  # noqa: ANN001, ANN202
+        errors, timeouts = failed_per_round[sampler.calls - 1]
+        metrics = {"reward/errors": float(errors), "reward/timeouts": float(timeouts), "reward/graded": float(graded)}
+        return [_record(i, [0.0, 0.0]) for i in question_ids], metrics
+
+    return collect
+
+
+def _cfg(*overrides: str) -> config.RunConfig:
+    base = ["algorithm.prompts_per_step=10", "algorithm.minibatch_prompts=10", "algorithm.rollouts_per_prompt=2"]
+    return config.load(
+        config.Path(__file__).resolve().parents[2] / "recipes" / "disco.yaml",
+        [*base, "cluster.gpus_per_node=1", *overrides],
+    )
+
+
+def test_some_failed_rewards_are_counted_and_said_in_a_line():
+    from nemo_disco.rollouts import reward_errors_line
+
+    ro = SimpleNamespace(cfg=_cfg(), sampler=_Sampler(), first_reward_error="reward.function m:f failed on an item")
+    _, metrics = step_rollouts(ro, 1, collect=_failing_collector(ro.sampler, [(1, 2)]))
+    assert metrics["reward/failed_share"] == 3 / 20 and metrics["reward/graded"] == 20
+    assert reward_errors_line(metrics) == "reward errors 3/20 (2 timeouts)"
+    assert reward_errors_line({**metrics, "reward/timeouts": 1.0}) == "reward errors 2/20 (1 timeout)"
+    assert reward_errors_line({**metrics, "reward/errors": 0.0, "reward/timeouts": 0.0}) is None
+
+
+@pytest.mark.parametrize(
+    ("overrides", "failed", "stops"),
+    [
+        ((), (19, 0), False),  # the default 1.0: only a step where every reward failed stops the run
+        ((), (12, 8), True),
+        (("reward.max_error_share=0.5",), (5, 4), False),
+        (("reward.max_error_share=0.5",), (6, 4), True),  # half failed: the share is reached
+        (("reward.max_error_share=0",), (0, 1), True),  # 0: any failure
+    ],
+)
+def test_a_step_stops_the_run_at_the_share_of_failed_rewards(overrides, failed, stops):
+    from nemo_disco.rollouts import RewardError
+
+    ro = SimpleNamespace(cfg=_cfg(*overrides), sampler=_Sampler())
+    collect = _failing_collector(ro.sampler, [failed])
+
+    def first(question_ids, seed):  # noqa: ANN001, ANN202  (the rollouter notes the step's first failure)
+        ro.first_reward_error = "reward.function m:f failed on an item: ValueError: boom"
+        return collect(question_ids, seed)
+
+    if not stops:
+        step_rollouts(ro, 3, collect=first)
+        return
+    with pytest.raises(RewardError) as err:
+        step_rollouts(ro, 3, collect=first)
+    n = sum(failed)
+    assert str(err.value).startswith(f"step 3: reward errors {n}/20 ({failed[1]} timeout")
+    assert str(err.value).endswith("; the first: reward.function m:f failed on an item: ValueError: boom")
+    assert ("every reward failed" in str(err.value)) == (n == 20) and "\n" not in str(err.value)
+    assert isinstance(err.value, config.ConfigError)  # a one-line error, exit code 2
+
+
+def test_dynamic_sampling_stops_topping_up_once_the_failed_share_is_reached():
+    from nemo_disco.rollouts import RewardError
+
+    cfg = _cfg("algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=5", "reward.max_error_share=0.5")
+    ro = SimpleNamespace(cfg=cfg, sampler=_Sampler())
+    with pytest.raises(RewardError, match=r"^step 1: reward errors 24/40 \(0 timeouts\): reward.max_error_share=0.5"):
+        step_rollouts(ro, 1, collect=_failing_collector(ro.sampler, [(4, 0), (20, 0), (0, 0)]))
+    assert ro.sampler.calls == 2  # not the five rounds dynamic sampling would take with zero-variance questions
+
+
+def test_a_reward_function_that_returns_nan_everywhere_stops_the_step(tiny_qwen2, tmp_path, monkeypatch):
+    # Before: NaN rewards trained as negatives and the run ended with exit 0.
+    from transformers import AutoTokenizer
+
+    from nemo_disco.data import new_sampler, train_problems
+    from nemo_disco.distributed import DistEnv
+    from nemo_disco.generation.factory import build_run_generator
+    from nemo_disco.rollouts import RewardError
+    from nemo_disco.rollouts.rollouter import build_rollouter
+
+    (tmp_path / "nan_rewards.py").write_text("def nan(response, answer, **fields):\n    return float('nan')\n")
+    monkeypatch.chdir(tmp_path)
+    cfg = config.load(
+        config.Path(__file__).resolve().parents[2] / "recipes" / "tiny-cpu.yaml",
+        [
+            f"policy.model_path={tiny_qwen2}",
+            "data.synthetic_size=16",
+            "algorithm.prompts_per_step=4",
+            "algorithm.minibatch_prompts=4",
+            "reward.workers=1",
+            "reward.function=nan_rewards:nan",
+        ],
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_qwen2))
+    problems, prompt_ids, _, _ = train_problems(cfg.data, tokenizer, max_prompt_tokens=32, prompts_per_step=4)
+    sampler = new_sampler(cfg.data, len(problems), 4)
+    env = DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0)
+    ro = build_rollouter(cfg, env, tokenizer, problems, prompt_ids, sampler, build_run_generator(cfg, tiny_qwen2))
+    n = 4 * cfg.algorithm.rollouts_per_prompt
+    try:
+        with pytest.raises(RewardError) as err:
+            step_rollouts(ro, 1)
+    finally:
+        ro.close()
+        monkeypatch.delitem(sys.modules, "nan_rewards", raising=False)
+    assert str(err.value) == (
+        f"step 1: reward errors {n}/{n} (0 timeouts): every reward failed, stopping; the first: reward.function "
+        "nan_rewards:nan failed on an item: ValueError: the reward function returned nan, expected a finite float"
+    )
