@@ -18,9 +18,13 @@ on whether Transformer Engine happens to import where the conversion runs (``slu
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -32,6 +36,30 @@ from nemo_disco.policy import megatron_model as mm
 
 HF_POLICY_STATE = "policy_state.json"
 _DTYPE_NAMES = {dtype: name for name, dtype in weights.DTYPES.items()}
+#: Third-party warnings a conversion meets every time, noise to the user converting weights: megatron-core's at
+#: every ``TransformerConfig`` built with its own default ``cuda_graph_scope`` ("full"; a conversion captures no
+#: CUDA graph), and torch's two deprecations met by megatron-core's checkpoint loader (``load_state_dict``,
+#: ``ShardedTensor``). (message regex, category) each; only these are silenced, and only where they are raised.
+KNOWN_WARNINGS = (
+    (r"full scope is deprecated", UserWarning),
+    (r"`load_state_dict` is deprecated", FutureWarning),
+    (r"Please use DTensor instead and we are deprecating ShardedTensor", FutureWarning),
+)
+
+
+@contextlib.contextmanager
+def _known_warnings_silenced() -> Iterator[None]:
+    """:data:`KNOWN_WARNINGS` ignored inside; any other warning shows as it would."""
+    with warnings.catch_warnings():
+        for message, category in KNOWN_WARNINGS:
+            warnings.filterwarnings("ignore", message=message, category=category)
+        yield
+
+
+def _transformer_config(spec: weights.ModelSpec, *, tp: int, pp: int, dtype: torch.dtype) -> Any:
+    """The conversion's ``TransformerConfig`` (local spec, no recompute), without megatron-core's known warning."""
+    with _known_warnings_silenced():
+        return mm.transformer_config(spec, tp=tp, pp=pp, dtype=dtype, use_te=False, recompute=False)
 
 
 def _hf_dtype(config: dict) -> str:
@@ -80,9 +108,7 @@ def hf_to_megatron(
     run_tp, run_pp = (tp, pp) if world % (tp * pp) == 0 else (1, 1)  # the layout the processes can form
     mm.init_parallel(run_tp, run_pp, ep=1 if spec.is_moe else None)
     padded = weights.padded_vocab_size(spec.vocab_size, tp, vocab_multiple)
-    config = mm.transformer_config(
-        spec, tp=run_tp, pp=run_pp, dtype=weights.DTYPES[dtype], use_te=False, recompute=False
-    )
+    config = _transformer_config(spec, tp=run_tp, pp=run_pp, dtype=weights.DTYPES[dtype])
     model = mm.build_gpt_model(spec, config, padded, use_te=False)
     mm.load_hf_weights(model, hf_dir, spec, padded)
     if distributed.rank() == 0:
@@ -260,10 +286,11 @@ def megatron_to_hf(checkpoint_dir: str | Path, out_dir: str | Path, config: RunC
     dtype = weights.DTYPES[meta["dtype"]]
     cpu_compat.apply()
     mm.init_parallel(1, 1, ep=1 if spec.is_moe else None)
-    tf_config = mm.transformer_config(spec, tp=1, pp=1, dtype=dtype, use_te=False, recompute=False)
+    tf_config = _transformer_config(spec, tp=1, pp=1, dtype=dtype)
     model = mm.build_gpt_model(spec, tf_config, int(meta["padded_vocab_size"]), use_te=False)
     try:
-        mm.load_model_checkpoint(model, policy_dir / "model")
+        with _known_warnings_silenced():
+            mm.load_model_checkpoint(model, policy_dir / "model")
     except (ValueError, KeyboardInterrupt, SystemExit):
         raise
     # A truncated or changed file of a checkpoint without a manifest: torch's CheckpointException (a

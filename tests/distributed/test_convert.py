@@ -61,3 +61,14 @@ def test_convert_refuses_to_merge_and_damaged_checkpoints(converted, tmp_path):
     assert last == f"nemo-disco convert: error: checkpoint {damaged} cannot be read: EOFError (damaged or incomplete)"
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "hf").exists() and not (tmp_path / ".hf.partial").exists()
+
+
+def test_convert_leaves_megatron_cores_full_scope_warning_out_of_the_terminal(tiny_qwen2, tmp_path):
+    """megatron-core warns ``full scope is deprecated`` at every config built with its default CUDA graph scope."""
+    to_mcore = _convert("--from-hf", str(tiny_qwen2), "--out", str(tmp_path / "mcore"))
+    assert to_mcore.returncode == 0, to_mcore.stderr[-3000:]
+    back = _convert("--checkpoint", str(tmp_path / "mcore"), "--out", str(tmp_path / "hf"))
+    assert back.returncode == 0, back.stderr[-3000:]
+    for proc in (to_mcore, back):
+        assert "full scope is deprecated" not in proc.stderr, proc.stderr[-3000:]
+        assert "Warning" not in proc.stderr, proc.stderr[-3000:]

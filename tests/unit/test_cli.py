@@ -381,3 +381,20 @@ def test_plot_names_a_label_count_that_differs_from_the_runs(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err == f"nemo-disco plot: error: --labels 'x,y,z' has 3 names for 2 results ({runs[0]}, {runs[1]})\n"
     assert not out.exists()
+
+
+def test_convert_silences_megatron_cores_full_scope_warning_only(monkeypatch):
+    import warnings
+
+    from nemo_disco import convert
+
+    def noisy(*args, **kwargs):
+        warnings.warn("full scope is deprecated. Use empty cuda_graph_scope to capture the whole layer.", stacklevel=1)
+        warnings.warn("something else", stacklevel=1)
+        return "config"
+
+    monkeypatch.setattr(convert.mm, "transformer_config", noisy)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert convert._transformer_config(None, tp=1, pp=1, dtype=None) == "config"
+    assert [str(w.message) for w in seen] == ["something else"]
