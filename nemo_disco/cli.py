@@ -415,6 +415,13 @@ def _names(text: str) -> list[str]:
 
 
 def _eval(args: argparse.Namespace) -> int:
+    from nemo_disco.evaluation import run
+
+    with run.sigterm_as_ctrl_c():  # SIGTERM (kill, scancel) stops as Ctrl-C does: what was kept is said
+        return _eval_command(args)
+
+
+def _eval_command(args: argparse.Namespace) -> int:
     from nemo_disco import files
     from nemo_disco.evaluation import compare, records, run
 
@@ -862,14 +869,16 @@ def main(argv: list[str] | None = None) -> int:
         where = f" ({err.filename})" if err.filename and str(err.filename) not in str(err) else ""
         print(f"nemo-disco {command}: error: {err}{where}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:
         # Ctrl-C before training's own handler is up, or a second Ctrl-C during a step or a save: no new checkpoint.
+        # eval: Ctrl-C, or SIGTERM (evaluation.run.Terminated, exit code 143).
         stopped = "stopped without a new checkpoint (the next start resumes from the newest complete one)"
+        how = getattr(err, "signal_name", "Ctrl-C")
         print(
-            f"nemo-disco {args.command}: interrupted (Ctrl-C): {stopped if args.command == 'train' else 'stopped'}",
+            f"nemo-disco {args.command}: interrupted ({how}): {stopped if args.command == 'train' else 'stopped'}",
             file=sys.stderr,
         )
-        return 130
+        return getattr(err, "exit_code", 130)
 
 
 if __name__ == "__main__":

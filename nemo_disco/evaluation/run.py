@@ -8,14 +8,17 @@ single-engine result record for record; process 0 merges the chunks into ``respo
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -38,7 +41,14 @@ from nemo_disco.stats import DEFAULT_REPLICATES
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_CHUNK_PROBLEMS", "chunk_seed", "evaluate_model"]
+__all__ = [
+    "DEFAULT_CHUNK_PROBLEMS",
+    "EXIT_TERMINATED",
+    "Terminated",
+    "chunk_seed",
+    "evaluate_model",
+    "sigterm_as_ctrl_c",
+]
 
 
 EVAL_PARTIAL = "partial"
@@ -46,6 +56,40 @@ EVAL_SETTINGS = "settings.json"
 DEFAULT_CHUNK_PROBLEMS = 32
 #: how long a process that has finished its share waits for the others (a barrier) before giving up.
 _WAIT_MINUTES = 24 * 60
+
+
+#: Exit code after SIGTERM: the shell's "terminated" (128 + 15), as 130 (128 + 2) after Ctrl-C.
+EXIT_TERMINATED = 143
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``kill``, ``scancel``, a Slurm time limit) met as Ctrl-C is: the written responses are kept."""
+
+    signal_name = "SIGTERM"
+    exit_code = EXIT_TERMINATED
+
+
+@contextlib.contextmanager
+def sigterm_as_ctrl_c() -> Iterator[None]:
+    """Inside, a first SIGTERM raises :class:`Terminated` (a ``KeyboardInterrupt``); a second one ends at once.
+
+    Without it SIGTERM ends the process silently, with nothing said about the responses kept in ``partial/``.
+    The previous handler is restored on the way out. Outside the main thread (where Python runs signal
+    handlers) nothing is installed.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_term(signum: int, _frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM during the clean-up ends at once
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def chunk_seed(seed: int, benchmark: str, chunk: int) -> int:
@@ -368,6 +412,7 @@ def evaluate_model(
         if empty:
             shutil.rmtree(out / EVAL_PARTIAL, ignore_errors=True)
         if isinstance(err, KeyboardInterrupt) and writer:
+            # Ctrl-C and SIGTERM (Terminated) alike; the CLI's next line names the signal and the exit code.
             if empty:
                 print(f"interrupted before any response was written: {out / EVAL_PARTIAL} removed", file=sys.stderr)
             else:

@@ -117,6 +117,42 @@ def test_a_checkpoint_without_tokenizer_files_takes_the_runs_initial_model(run, 
     assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (run / "init_model" / "tokenizer.json").read_bytes()
 
 
+def test_a_sigterm_stops_the_evaluation_as_ctrl_c_does_saying_what_was_kept(tiny_qwen2, tmp_path):
+    """SIGTERM (kill, scancel, a Slurm time limit) used to end the evaluation silently (killed by the signal)."""
+    import signal
+    import time
+
+    args = ["eval", "--model", str(tiny_qwen2), "--backend", "hf", "--benchmarks", "math,aime", "--samples", "2",
+            "--temperature", "1.0", "--max-tokens", "24", "--max-problems", "15", "--chunk-problems", "1",
+            "--workers", "1", "--bootstrap", "100"]  # fmt: skip
+    out = tmp_path / "terminated"
+    log = tmp_path / "stderr.txt"
+    with log.open("w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "nemo_disco.cli", *args, "--out", str(out)], cwd=ROOT,
+                                env={**os.environ, **THREADS}, stdout=subprocess.DEVNULL, stderr=err)  # fmt: skip
+        deadline = time.monotonic() + 300
+        try:
+            while time.monotonic() < deadline and proc.poll() is None:
+                parts = list((out / "partial").glob("part-*.jsonl"))
+                if parts and len(parts[0].read_text().splitlines()) >= 4:  # two chunks written
+                    break
+                time.sleep(0.02)
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    stderr = log.read_text()
+    assert not (out / "responses.jsonl").exists(), "finished before it could be stopped: make the run longer"
+    assert code == 143, stderr[-3000:]
+    kept = f"interrupted: the responses written so far are kept in {out / 'partial'}; rerun the same command"
+    assert kept in stderr, stderr[-3000:]
+    assert stderr.rstrip().endswith("nemo-disco eval: interrupted (SIGTERM): stopped"), stderr[-3000:]
+    assert "Traceback" not in stderr
+    assert len((out / "partial" / "part-0.jsonl").read_text().splitlines()) >= 4
+
+
 def test_a_killed_evaluation_continues_to_the_uninterrupted_result(tiny_qwen2, tmp_path):
     """SIGKILL part-way (nothing to clean up, a line may be cut short), rerun: the written chunks are reused."""
     import signal
