@@ -42,7 +42,7 @@ import torch
 import yaml
 
 from nemo_disco import config as config_lib
-from nemo_disco import distributed, hooks
+from nemo_disco import distributed, files, hooks
 from nemo_disco.config import RunConfig
 from nemo_disco.policy.base import Policy
 
@@ -294,18 +294,6 @@ def _size(folder: Path | None) -> int | None:
     return sum(int(e["size"]) for e in manifest["files"].values()) if manifest else None
 
 
-def _free_space(path: Path, needed: int | None) -> str:
-    """Free space on ``path``'s file system; says it is full when it cannot hold ``needed`` bytes."""
-    try:
-        usage = shutil.disk_usage(path)
-    except OSError:
-        return "free space unknown"
-    text = f"{usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB on {path}"
-    if needed is not None and usage.free < needed:
-        text = f"the file system is full: {text}, a checkpoint takes {needed / 2**20:.1f} MiB"
-    return text
-
-
 def save(
     run_dir: str | Path,
     step: int,
@@ -352,7 +340,7 @@ def save(
         previous = latest_checkpoint(run_dir)
         raise SaveError(
             f"checkpoint step_{step} could not be written: {type(err).__name__}: {_first_line(err)} "
-            f"({_free_space(root, _size(previous))}); the newest checkpoint is "
+            f"({files.free_space(root, _size(previous), 'a checkpoint')}); the newest checkpoint is "
             f"{previous if previous is not None else 'none'} (the partial {tmp.name} is never resumed from, and is "
             "removed)"
         ) from err

@@ -5,15 +5,19 @@
 - :func:`save_safetensors` / :func:`honour_umask`: the safetensors library creates its files ``-rw-------``
   whatever the umask; every weight file this project writes gets the mode the umask gives an ordinary file
   (``-rw-r--r--`` under umask 022), so teammates on a shared file system can read an export;
+- :func:`naming_failed_write` / :func:`free_space`: a write that fails later (a full disk, a quota, a vanished
+  mount) is one line naming the file and its file system's free space (:class:`WriteError`), not a bare
+  ``[Errno 28] No space left on device``; a checkpoint save names the free space the same way;
 - :data:`TOKENIZER_FILES`: the files a Hugging Face folder's tokenizer may consist of.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -33,6 +37,39 @@ TOKENIZER_FILES = (
 
 class OutputError(ValueError):
     """An output path that cannot be written (one line naming it)."""
+
+
+class WriteError(OSError):
+    """A file that could not be written after the start-up checks: one line naming it and the free space."""
+
+
+def free_space(path: str | os.PathLike, needed: int | None = None, what: str = "the file") -> str:
+    """Free space on ``path``'s file system; says it is full when it cannot hold ``needed`` bytes (``what``)."""
+    try:
+        usage = shutil.disk_usage(path)
+    except OSError:
+        return "free space unknown"
+    text = f"{usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB on {path}"
+    if needed is not None and usage.free < needed:
+        text = f"the file system is full: {text}, {what} takes {needed / 2**20:.1f} MiB"
+    return text
+
+
+@contextlib.contextmanager
+def naming_failed_write(path: str | os.PathLike) -> Iterator[None]:
+    """An ``OSError`` inside (ENOSPC, EDQUOT, EIO, a vanished folder) becomes a :class:`WriteError` naming ``path``.
+
+    ``write`` and ``fsync`` fail without a file name (``[Errno 28] No space left on device``): the message says
+    ``cannot write PATH: No space left on device (0.0 MiB free of 1.0 MiB on FOLDER)``.
+    """
+    try:
+        yield
+    except WriteError:
+        raise
+    except OSError as err:
+        reason = err.strerror or str(err) or type(err).__name__
+        folder = Path(path).parent
+        raise WriteError(f"cannot write {path}: {reason} ({free_space(folder)})") from err
 
 
 def _umask() -> int:

@@ -10,6 +10,7 @@ back on a rerun (:func:`read_partial`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -20,6 +21,7 @@ from typing import Any
 from nemo_disco.data import BENCHMARKS, load_problems, resolve_benchmark
 from nemo_disco.evaluation.compare import Comparison, RunsSummary
 from nemo_disco.evaluation.summary import EvalSummary, summarize
+from nemo_disco.files import naming_failed_write
 from nemo_disco.stats import DEFAULT_CONFIDENCE, DEFAULT_REPLICATES
 
 logger = logging.getLogger(__name__)
@@ -232,12 +234,21 @@ def write_results(
 
 
 def _write_text(path: Path, text: str) -> None:
-    """Write a file atomically: a temporary file beside it, flushed, renamed into place."""
+    """Write a file atomically: a temporary file beside it, flushed, renamed into place.
+
+    Raises:
+        WriteError: it could not be written (a full disk): one line naming ``path`` and the free space.
+    """
     tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with naming_failed_write(path), tmp.open("w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        with contextlib.suppress(OSError):  # a full disk keeps no half file
+            tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
 
 
@@ -282,13 +293,16 @@ def append_records(path: Path, records: Sequence[dict[str, Any]]) -> None:
     """Append records as JSON lines in one write, flushed to disk (a kill loses at most the chunk being written).
 
     A line left unfinished by a kill is closed first, so the records after it start on a line of their own.
+
+    Raises:
+        WriteError: they could not be written (a full disk): one line naming ``path`` and the free space.
     """
     cut = False
     if path.is_file() and path.stat().st_size:
         with path.open("rb") as f:
             f.seek(-1, os.SEEK_END)
             cut = f.read(1) != b"\n"
-    with path.open("a", encoding="utf-8") as f:
+    with naming_failed_write(path), path.open("a", encoding="utf-8") as f:
         f.write("\n" * cut + "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
         f.flush()
         os.fsync(f.fileno())

@@ -35,6 +35,7 @@ from nemo_disco.evaluation.records import (
     write_results,
 )
 from nemo_disco.evaluation.summary import EvalSummary
+from nemo_disco.files import WriteError
 from nemo_disco.generation.factory import build_generator, choose_backend, stop_token_ids
 from nemo_disco.models import check_model
 from nemo_disco.stats import DEFAULT_REPLICATES
@@ -421,6 +422,8 @@ def evaluate_model(
                     "command to continue",
                     file=sys.stderr,
                 )
+        if isinstance(err, WriteError) and not empty:  # a full disk: the line also says what is kept
+            raise _kept(err, out / EVAL_PARTIAL) from err
         raise
     finally:
         if own and generator is not None:
@@ -434,9 +437,21 @@ def evaluate_model(
     if missing:
         raise RuntimeError(f"{out / EVAL_PARTIAL}: chunks {missing[:3]} are missing after generation")
     records = [r for c in chunks for r in complete[c.key]]
-    summary = write_results(records, out, replicates=replicates, seed=bootstrap_seed, resample_samples=resample_samples)
+    try:
+        summary = write_results(
+            records, out, replicates=replicates, seed=bootstrap_seed, resample_samples=resample_samples
+        )
+    except WriteError as err:
+        raise _kept(err, out / EVAL_PARTIAL) from err
     shutil.rmtree(out / EVAL_PARTIAL, ignore_errors=True)
     return summary
+
+
+def _kept(err: WriteError, partial: Path) -> WriteError:
+    """A failed write's one line, saying that the responses in ``partial`` are kept for a rerun to continue."""
+    return WriteError(
+        f"{err}; the responses written so far are kept in {partial}: make room and rerun the same command to continue"
+    )
 
 
 def _graded(chunk: _Chunk, rollouts: list[list[Any]], tokenizer: Any, pool: Any, samples: int) -> list[dict]:

@@ -398,3 +398,42 @@ def test_convert_silences_megatron_cores_full_scope_warning_only(monkeypatch):
         warnings.simplefilter("always")
         assert convert._transformer_config(None, tp=1, pp=1, dtype=None) == "config"
     assert [str(w.message) for w in seen] == ["something else"]
+
+
+@pytest.fixture()
+def small_out(tmp_path):
+    """An 8 KiB tmpfs for --out (two pages: settings.json and the first page of records fit, the rest does not)."""
+    mnt = tmp_path / "out"
+    mnt.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8k", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_eval_on_a_full_disk_names_the_file_and_keeps_the_responses_for_a_rerun(
+    tiny_qwen2, tmp_path, capsys, small_out
+):
+    """It used to say ``[Errno 28] No space left on device`` and nothing of which file, or of what was kept."""
+    bench = tmp_path / "arith.json"
+    bench.write_text(json.dumps([{"problem": f"{a}+{a}", "answer": 2 * a} for a in range(40)]))
+    argv = ["eval", "--model", str(tiny_qwen2), "--benchmarks", str(bench), "--samples", "1", "--max-tokens", "2",
+            "--workers", "1", "--bootstrap", "0", "--no-chat-template", "--chunk-problems", "4", "--backend", "hf",
+            "--out", str(small_out)]  # fmt: skip
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    partial = small_out / "partial"
+    assert err.startswith(
+        f"nemo-disco eval: error: cannot write {partial / 'part-0.jsonl'}: No space left on device ("
+    ), err
+    assert f"MiB on {partial}); the responses written so far are kept in {partial}: make room and rerun" in err
+    written = len((partial / "part-0.jsonl").read_text().splitlines())
+    assert written >= 4  # at least the first chunk
+    # Room is made (here: the file system grows); the same command continues from the chunks written.
+    subprocess.run(["mount", "-o", "remount,size=1m", str(small_out)], check=True)
+    assert cli.main(argv) == 0
+    assert f"resuming the evaluation in {small_out}: " in capsys.readouterr().err
+    assert len((small_out / "responses.jsonl").read_text().splitlines()) == 40

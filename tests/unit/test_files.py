@@ -69,3 +69,15 @@ def test_check_fresh_output_refuses_to_merge(tmp_path):
     files.replace_folder(new, out)
     assert sorted(p.name for p in out.iterdir()) == ["model.bin"] and not new.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_a_write_that_fails_later_names_the_file_and_its_free_space(tmp_path):
+    """``write`` / ``fsync`` fail without a file name: ``[Errno 28] No space left on device`` said nothing more."""
+    import errno
+
+    target = tmp_path / "part-0.jsonl"
+    with pytest.raises(files.WriteError) as err, files.naming_failed_write(target):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    assert str(err.value).startswith(f"cannot write {target}: No space left on device (")
+    assert str(err.value).endswith(f" MiB on {tmp_path})") and err.value.__cause__.errno == errno.ENOSPC
+    assert files.free_space(tmp_path, needed=2**60, what="a checkpoint").startswith("the file system is full: ")
