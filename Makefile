@@ -37,9 +37,11 @@ test: setup
 test-vllm: setup setup-vllm
 	$(VLLM_VENV)/bin/python -m pytest tests/vllm -m vllm $(PYTEST_ARGS)
 
-# The unit and distributed suites against megatron-core 0.19 on Python 3.12 (make test runs 0.16.1 on 3.11).
+# The unit and distributed tests that name Megatron (marker mcore, tests/conftest.py) against megatron-core 0.19 on
+# Python 3.12 (make test runs every test on 0.16.1 and 3.11; the GPU check rehearsal runs the package on 3.12 too).
 test-mcore-latest: setup-mcore-latest
-	$(MCORE_LATEST_VENV)/bin/python -m pytest tests/unit tests/distributed -m "not vllm" -p no:cacheprovider $(PYTEST_ARGS)
+	$(MCORE_LATEST_VENV)/bin/python -m pytest tests/unit tests/distributed -m "mcore and not vllm" -p no:cacheprovider \
+		$(PYTEST_ARGS)
 
 # The GPU validation's stages on CPU at tiny shapes (also part of make test); on a GPU: bash scripts/gpu-check.sh
 gpu-check-smoke: setup

@@ -282,7 +282,8 @@ def environment() -> dict[str, Any]:
     from importlib.metadata import PackageNotFoundError, version
 
     torch = _torch()
-    info: dict[str, Any] = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda}
+    info: dict[str, Any] = {"python": sys.version.split()[0], "executable": sys.executable}
+    info |= {"torch": torch.__version__, "cuda": torch.version.cuda}
     for pkg in ("megatron-core", "transformers", "trl", "accelerate", "math-verify", "pydantic", "vllm"):
         try:
             info[pkg] = version(pkg)

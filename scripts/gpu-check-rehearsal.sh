@@ -12,7 +12,9 @@
 #   4. What a device call carries (the working tree, tracked and untracked-not-ignored, plus the wheel folders)
 #      checked against 64 MiB.
 #   5. The stages at smoke sizes in the documented two calls (gpu_check.CALLS), each within its budget and in a
-#      bare out folder, and each out folder checked against what a device call returns (gpu_check.RETURN_LIMITS).
+#      bare out folder, run and checked by tests/functional/test_gpu_check_smoke.py (pytest from the Python 3.12
+#      venv, the calls under this venv's Python): each out folder against what a device call returns
+#      (gpu_check.RETURN_LIMITS), every stage ok (the rehearsal carries every module: none skips), the CPU figures.
 #
 #   bash scripts/gpu-check-rehearsal.sh               # steps 1-5 (make gpu-check-rehearsal)
 #   bash scripts/gpu-check-rehearsal.sh --setup-only  # steps 1-2 (make setup-gpu-rehearsal)
@@ -128,27 +130,8 @@ carried=$( { git ls-files -z --cached --others --exclude-standard; \
 step "   carried: $((carried / 1024)) KiB of $((CARRY_LIMIT / 1024)) KiB"
 [ "$carried" -le "$CARRY_LIMIT" ] || fail "the carry is $carried bytes, over 64 MiB"
 
-for call in 1 2; do
-  out="$OUT_ROOT/call$call"
-  rm -rf "$out" && mkdir -p "$out"
-  step "5. call $call (smoke sizes, its budget) into a bare $out"
-  PYTHON="$VENV/bin/python" bash scripts/gpu-check.sh --smoke --call "$call" --out "$out" \
-    || fail "call $call: a stage failed (above)"
-  PYTHONPATH=benchmarks "$VENV/bin/python" - "$out" <<'PYEOF' || fail "call $call: its results would not all come back"
-import json
-import sys
-from pathlib import Path
-
-import gpu_check
-
-out = Path(sys.argv[1])
-problems = gpu_check.check_returnable(out)
-summary = json.loads((out / "summary.json").read_text())
-bad = {k: v for k, v in summary["status"].items() if v != "ok"}  # the rehearsal carries every module: none skips
-for line in problems + [f"stage {k}: {v}" for k, v in bad.items()]:
-    print(f"gpu-check-rehearsal:   {line}", file=sys.stderr)
-print(f"gpu-check-rehearsal:   {len(list(out.iterdir()))} files, {summary['wall_s']:.0f} s of {gpu_check.CALL_BUDGET_S}")
-sys.exit(1 if problems or bad else 0)
-PYEOF
-done
+step "5. the two calls at smoke sizes, each within its budget in a bare out folder, checked by"
+step "   tests/functional/test_gpu_check_smoke.py (return rules, every stage ok, the CPU figures), the calls in $VENV"
+GPU_CHECK_PYTHON="$VENV/bin/python" "$SOURCE_VENV/bin/python" -m pytest tests/functional/test_gpu_check_smoke.py \
+  -q -p no:cacheprovider --basetemp="$OUT_ROOT" || fail "the calls or what they return (above)"
 step "passed in $((SECONDS - t0)) s"

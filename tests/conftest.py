@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,21 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
+
+#: A test module that names Megatron (builds a Megatron policy, converts its checkpoints, launches a worker that
+#: does) is marked ``mcore``: ``make test-mcore-latest`` runs those against the newest megatron-core on Python 3.12.
+_NAMES_MEGATRON = re.compile(r"megatron|mcore", re.IGNORECASE)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark every test of a module that names Megatron ``mcore`` (see ``_NAMES_MEGATRON``)."""
+    names: dict[Path, bool] = {}
+    for item in items:
+        path = item.path
+        if path not in names:
+            names[path] = bool(_NAMES_MEGATRON.search(path.read_text()))
+        if names[path]:
+            item.add_marker(pytest.mark.mcore)
 
 
 @pytest.fixture(scope="session")

@@ -32,8 +32,13 @@ def read_call(out: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def calls(tmp_path_factory):
-    """The two device calls of the documented split, each in a bare out folder as the device tool gives it."""
-    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    """The two device calls of the documented split, each in a bare out folder as the device tool gives it.
+
+    The calls run under $GPU_CHECK_PYTHON where it is set (scripts/gpu-check-rehearsal.sh: the GPU machine's
+    package set), else under this interpreter.
+    """
+    python = os.environ.get("GPU_CHECK_PYTHON") or sys.executable
+    env = {**os.environ, "PYTHON": python, "OMP_NUM_THREADS": "1"}
     env["NEMO_DISCO_WHEELS"] = str(tmp_path_factory.getbasetemp() / "none")
     done = {}
     for call in gpu_check.CALLS:
@@ -88,6 +93,9 @@ def test_each_call_returns_what_the_device_tool_brings_back(calls):
         assert set(summary["status"]) == set(gpu_check.CALLS[call])
         assert summary["wall_s"] < gpu_check.CALL_BUDGET_S
         assert summary["environment"]["call"] == call and summary["environment"]["budget_s"] == gpu_check.CALL_BUDGET_S
+        # The stages ran under the interpreter asked for (the rehearsal's: the GPU machine's package set).
+        python = os.environ.get("GPU_CHECK_PYTHON") or sys.executable
+        assert Path(summary["environment"]["executable"]).absolute() == Path(python).absolute()
         assert "GPU_CHECK_SUMMARY" in res.stdout
 
 
