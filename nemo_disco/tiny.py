@@ -249,9 +249,7 @@ def warm_up(
         entry = Path(cache) / warmup_key(model_dir, prompts, targets, *held_out, cfg)
         reused = _load_cached(entry, Path(model_dir))
         if reused is not None:
-            log.info(
-                "warm-up: reused %s (the same model, data, seed and warm-up settings; algorithm.warmup_cache)", entry
-            )
+            log.info("warm-up: reused %s (same model, data, seed and settings)", _shown(entry))
             (log.info if reused.status in ("fixed", "in_band") else log.warning)(reused.message)
             return reused
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
@@ -382,7 +380,9 @@ def _load_cached(entry: Path, model_dir: Path) -> WarmupResult | None:
         for name in sums:
             shutil.copyfile(entry / name, model_dir / name)
     except Exception as e:  # noqa: BLE001  (anything wrong with an entry means: redo the warm-up)
-        log.warning("warm-up cache entry %s is damaged (%s: %s): ignored, warming up again", entry, type(e).__name__, e)
+        log.warning(
+            "warm-up cache entry %s is damaged (%s: %s): ignored, warming up again", _shown(entry), type(e).__name__, e
+        )
         return None
     files.honour_umask_tree(model_dir)
     return result
@@ -404,9 +404,17 @@ def _store_cached(model_dir: Path, entry: Path) -> None:
         files.replace_folder(tmp, entry)  # a damaged entry of the same key is replaced once this one is complete
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        log.warning("warm-up cache: could not store %s (%s); the run goes on without it", entry, e)
+        log.warning("warm-up cache: could not store %s (%s); the run goes on without it", _shown(entry), e)
         return
-    log.info("warm-up: stored in %s (a run with the same settings reuses it)", entry)
+    log.info("warm-up: stored for reuse in %s", _shown(entry))
+
+
+def _shown(path: Path) -> str:
+    """A path as logged: relative to the current folder when inside it (runs/.warmup-cache/...)."""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
 def _sft_examples(tok, problems: list, cfg) -> tuple[list[list[int]], list[list[int]]]:  # noqa: ANN001

@@ -284,7 +284,7 @@ def test_a_second_run_reuses_the_warm_up_and_gives_the_same_figures(tmp_path):
     assert first.returncode == 0, first.stderr[-3000:]
     assert "warm-up: up to 40 supervised updates" in first.stderr and "warm-up: 25/40 updates (" in first.stderr
     (entry,) = (tmp_path / ".warmup-cache").iterdir()
-    assert f"warm-up: stored in {entry}" in first.stderr
+    assert f"warm-up: stored for reuse in {entry}" in first.stderr
 
     second = _train(tmp_path / "b", *steps)
     assert second.returncode == 0, second.stderr[-3000:]
