@@ -127,10 +127,23 @@ def prepare_model(cfg: RunConfig, run_dir: Path) -> Path:
             tiny.build_model(cfg.policy.tiny, tmp, seed=a.seed)
             if a.warmup_sft_steps:
                 problems, _ = load_problems(cfg.data.train, **data.data_kwargs(cfg.data))
-                tiny.warm_up(tmp, problems, cfg, held_out)
+                # The global RNG leaves the warm-up as it entered: a reused warm-up and a redone one start RL alike.
+                with torch.random.fork_rng(devices=[]):
+                    tiny.warm_up(tmp, problems, cfg, held_out, cache=warmup_cache_dir(cfg))
             tmp.rename(model_dir)
     distributed.barrier()
     return model_dir
+
+
+def warmup_cache_dir(cfg: RunConfig) -> Path | None:
+    """Where warmed-up tiny models are kept for reuse: ``.warmup-cache`` beside the run folder (None: off).
+
+    ``runs/tiny-cpu`` gives ``runs/.warmup-cache``, so every run under ``runs/`` shares it;
+    ``algorithm.warmup_cache=false`` turns it off.
+    """
+    if not cfg.algorithm.warmup_cache:
+        return None
+    return Path(cfg.logging.run_dir).resolve().parent / ".warmup-cache"
 
 
 def _warmup_eval_problems(cfg: RunConfig) -> list:

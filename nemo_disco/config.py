@@ -272,6 +272,9 @@ class AlgorithmConfig(_Section):
     warmup_target: tuple[float, float] | None = None
     warmup_eval_every: int = Field(25, ge=1)
     warmup_eval_problems: int = Field(256, ge=1)
+    # Reuse a warmed-up model: stored in .warmup-cache beside logging.run_dir (runs/.warmup-cache for runs/<run>)
+    # under a hash of everything that decides it (initial model, data, seed, warmup_* keys, versions, CPU).
+    warmup_cache: bool = True
     # DAPO data-side tricks.
     dynamic_sampling: bool = False
     max_sampling_rounds: int = Field(3, ge=1)

@@ -10,9 +10,15 @@ as it would load a real checkpoint.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
+import platform
+import shutil
 import string
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -189,7 +195,13 @@ class WarmupResult:
         }
 
 
-def warm_up(model_dir: str | Path, problems: list, cfg, eval_problems: list | None = None) -> WarmupResult:  # noqa: ANN001  (cfg: RunConfig)
+def warm_up(
+    model_dir: str | Path,
+    problems: list,
+    cfg,  # noqa: ANN001  (cfg: RunConfig)
+    eval_problems: list | None = None,
+    cache: str | Path | None = None,
+) -> WarmupResult:
     r"""Supervised warm-up of a tiny model on gold answers, in place (the CPU demo's starting point).
 
     A random tiny model never answers correctly, so every question would have p(q) = 0 and DisCO
@@ -202,13 +214,23 @@ def warm_up(model_dir: str | Path, problems: list, cfg, eval_problems: list | No
     ``algorithm.warmup_eval_every`` updates it decodes ``eval_problems`` greedily (batched, the transformers
     generator), grades them with ``reward.grader`` and stops at the first evaluation whose accuracy is at
     least ``low``; ``algorithm.warmup_sft_steps`` caps the updates. Missing the band (below it at the cap, or
-    above it after a jump) is logged as a warning naming the keys to change; the run goes on.
+    above it after a jump) is logged as a warning naming the keys to change; the run goes on. Progress is logged
+    (INFO) at the start and every ``algorithm.warmup_eval_every`` updates: updates done / the cap, elapsed time
+    and, with a target, the accuracy measured against the band.
+
+    With ``cache`` (a folder), the warmed-up model is stored there under a key (:func:`warmup_key`) that hashes
+    everything that decides it: the initial model and tokenizer files, the supervised and held-out examples,
+    every ``algorithm.warmup_*`` key and the seed, the greedy decoding and grading settings, the torch and
+    transformers versions, torch's thread count and the CPU. A later warm-up with the same key copies the stored
+    files instead of redoing the updates (one log line names the entry). An entry that fails its checksums is
+    ignored with a warning and replaced; a cache that cannot be written is a warning, never an error.
 
     Args:
         model_dir: the tiny model's HF folder (updated in place; ``warmup.json`` is written there).
         problems: training problems (prompt + gold answer).
         cfg: the run config (``algorithm.warmup_*``, ``data.prompt_template``, ``generation``, ``reward``).
         eval_problems: held-out problems for the accuracy target (needed when ``algorithm.warmup_target`` is set).
+        cache: the warm-up cache folder (None: no cache).
 
     Raises:
         ValueError: a target without evaluation problems.
@@ -220,23 +242,40 @@ def warm_up(model_dir: str | Path, problems: list, cfg, eval_problems: list | No
     if a.warmup_target is not None and not eval_problems:
         raise ValueError("algorithm.warmup_target is set but the warm-up got no held-out problems to measure")
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     prompts, targets = _sft_examples(tok, problems, cfg)
+    entry = None
+    if cache is not None:
+        held_out = _eval_examples(tok, eval_problems, cfg) if a.warmup_target is not None else ([], [])
+        entry = Path(cache) / warmup_key(model_dir, prompts, targets, *held_out, cfg)
+        reused = _load_cached(entry, Path(model_dir))
+        if reused is not None:
+            log.info("warm-up: reused %s (same model, data, seed and settings)", _shown(entry))
+            (log.info if reused.status in ("fixed", "in_band") else log.warning)(reused.message)
+            return reused
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     gen = torch.Generator().manual_seed(a.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=a.warmup_sft_lr, weight_decay=0.0)
     measure = _GreedyAccuracy(model_dir, tok, eval_problems, cfg) if a.warmup_target is not None else None
     history: list[tuple[int, float]] = []
     result = WarmupResult(steps=a.warmup_sft_steps, status="fixed")
+    band = f", measured every {a.warmup_eval_every} on {len(measure.prompts)} held-out problems" if measure else ""
+    target = f" (target band {a.warmup_target[0]:g}-{a.warmup_target[1]:g})" if measure else ""
+    log.info("warm-up: up to %d supervised updates%s%s", a.warmup_sft_steps, band, target)
+    start = time.monotonic()
     try:
         for step in range(1, a.warmup_sft_steps + 1):
             model.train()
             _sft_update(model, opt, tok, prompts, targets, gen)
-            if measure is None or (step % a.warmup_eval_every and step < a.warmup_sft_steps):
+            if step % a.warmup_eval_every and step < a.warmup_sft_steps:
+                continue
+            done = f"warm-up: {step}/{a.warmup_sft_steps} updates ({time.monotonic() - start:.0f} s)"
+            if measure is None:
+                log.info("%s", done)
                 continue
             acc = measure(model)
             history.append((step, acc))
-            log.debug("warm-up: %d updates, held-out greedy accuracy %.3f", step, acc)
             low, high = a.warmup_target
+            log.info("%s, held-out greedy accuracy %.3f%s", done, acc, target)
             if acc >= low or step == a.warmup_sft_steps:
                 status = "cap_reached" if acc < low else "in_band" if acc <= high else "above_band"
                 result = WarmupResult(step, status, acc, a.warmup_target, len(measure.prompts), tuple(history))
@@ -248,7 +287,134 @@ def warm_up(model_dir: str | Path, problems: list, cfg, eval_problems: list | No
     files.honour_umask_tree(model_dir)
     (Path(model_dir) / "warmup.json").write_text(json.dumps(result.to_json(), indent=1) + "\n")
     (log.info if result.status in ("fixed", "in_band") else log.warning)(result.message)
+    if entry is not None:
+        _store_cached(Path(model_dir), entry)
     return result
+
+
+#: Bump when what a cache entry holds, or what its key covers, changes.
+_CACHE_FORMAT = 1
+_MANIFEST = "cache-entry.json"
+
+
+def warmup_key(  # noqa: PLR0913
+    model_dir: str | Path,
+    prompts: list[list[int]],
+    targets: list[list[int]],
+    eval_prompts: list[list[int]],
+    eval_truths: list[str],
+    cfg,  # noqa: ANN001  (cfg: RunConfig)
+) -> str:
+    """The warm-up cache key: a hash of everything that decides the warmed-up weights.
+
+    The initial model's and tokenizer's files (so the architecture, the seed they were built with and the
+    vocabulary), the supervised examples and the held-out ones (token ids and answers: the data, its prompt
+    template and length limit), every ``algorithm.warmup_*`` key and ``algorithm.seed``, the greedy decoding and
+    grading settings, the Python, torch and transformers versions, torch's thread count and the CPU (rounding
+    differs between CPUs and thread counts and compounds over hundreds of updates).
+    """
+    import torch
+    import transformers
+
+    a, g = cfg.algorithm, cfg.generation
+    h = hashlib.sha256()
+    for f in sorted(Path(model_dir).iterdir()):
+        if f.is_file() and f.name != "warmup.json":
+            h.update(f.name.encode() + b"\0" + _sha256(f).encode() + b"\0")
+    settings = {
+        "format": _CACHE_FORMAT,
+        "warmup": {k: v for k, v in a.model_dump(mode="json").items() if k.startswith("warmup_")},
+        "seed": a.seed,
+        "generation": [g.max_response_tokens, g.hf_batch_size, g.hf_decode],
+        "reward": [cfg.reward.grader, cfg.reward.timeout_s],
+        "versions": [sys.version, torch.__version__, transformers.__version__],
+        "threads": torch.get_num_threads(),
+        "cpu": [platform.machine(), platform.processor(), _cpu_model()],
+        "examples": [prompts, targets, eval_prompts, eval_truths],
+    }
+    h.update(json.dumps(settings, sort_keys=True).encode())
+    return h.hexdigest()[:32]
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _load_cached(entry: Path, model_dir: Path) -> WarmupResult | None:
+    """Copy a cache entry's files into ``model_dir`` and return its result; None if absent or damaged (logged)."""
+    if not entry.exists():
+        return None
+    try:
+        manifest = json.loads((entry / _MANIFEST).read_text())
+        if manifest.get("format") != _CACHE_FORMAT or manifest.get("key") != entry.name:
+            raise ValueError("its manifest is for another key or format")
+        sums = manifest["files"]
+        if "warmup.json" not in sums or not any(n.endswith(".safetensors") for n in sums):
+            raise ValueError("its manifest lists no weights or no warmup.json")
+        for name, digest in sums.items():
+            if _sha256(entry / name) != digest:
+                raise ValueError(f"{name} does not match its checksum")
+        saved = json.loads((entry / "warmup.json").read_text())
+        result = WarmupResult(
+            steps=int(saved["steps"]),
+            status=saved["status"],
+            accuracy=saved["accuracy"],
+            target=tuple(saved["target"]) if saved["target"] else None,
+            problems=int(saved["problems"]),
+            history=tuple((int(s), float(x)) for s, x in saved["history"]),
+        )
+        for name in sums:
+            shutil.copyfile(entry / name, model_dir / name)
+    except Exception as e:  # noqa: BLE001  (anything wrong with an entry means: redo the warm-up)
+        log.warning(
+            "warm-up cache entry %s is damaged (%s: %s): ignored, warming up again", _shown(entry), type(e).__name__, e
+        )
+        return None
+    files.honour_umask_tree(model_dir)
+    return result
+
+
+def _store_cached(model_dir: Path, entry: Path) -> None:
+    """Store a warmed-up model folder as a cache entry: written to a temporary folder, then renamed into place."""
+    tmp = entry.with_name(f".{entry.name}.tmp-{os.getpid()}")
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        sums = {}
+        for f in sorted(model_dir.iterdir()):
+            if f.is_file():
+                shutil.copyfile(f, tmp / f.name)
+                sums[f.name] = _sha256(tmp / f.name)
+        manifest = {"format": _CACHE_FORMAT, "key": entry.name, "files": sums}
+        (tmp / _MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        files.replace_folder(tmp, entry)  # a damaged entry of the same key is replaced once this one is complete
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        log.warning("warm-up cache: could not store %s (%s); the run goes on without it", _shown(entry), e)
+        return
+    log.info("warm-up: stored for reuse in %s", _shown(entry))
+
+
+def _shown(path: Path) -> str:
+    """A path as logged: relative to the current folder when inside it (runs/.warmup-cache/...)."""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
 def _sft_examples(tok, problems: list, cfg) -> tuple[list[list[int]], list[list[int]]]:  # noqa: ANN001
@@ -260,6 +426,14 @@ def _sft_examples(tok, problems: list, cfg) -> tuple[list[list[int]], list[list[
         tok.encode(f"\\boxed{{{problems[i].answer}}}", add_special_tokens=False) + [tok.eos_token_id] for i in kept
     ]
     return prompts, targets
+
+
+def _eval_examples(tok, problems: list, cfg) -> tuple[list[list[int]], list[str]]:  # noqa: ANN001
+    """Prompt ids and answers of the held-out problems the warm-up measures (those whose prompt fits)."""
+    from nemo_disco.data import encode_run_prompts
+
+    prompts, kept, _ = encode_run_prompts(tok, problems, cfg)
+    return prompts, [str(problems[i].answer) for i in kept]
 
 
 def _sft_update(model, opt, tok, prompts: list[list[int]], targets: list[list[int]], gen) -> None:  # noqa: ANN001

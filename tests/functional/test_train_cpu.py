@@ -276,6 +276,29 @@ def test_warm_up_to_a_target_then_the_summary_with_standard_errors(tmp_path):
     assert "held-out pass@1 on 32 problems x 4 samples" in res.stdout
 
 
+def test_a_second_run_reuses_the_warm_up_and_gives_the_same_figures(tmp_path):
+    """Same tiny model, seed and warm-up settings: the second run (another run folder beside the first) loads the
+    warmed-up model from runs' .warmup-cache instead of redoing it, and its RL figures equal the first run's."""
+    steps = ["algorithm.steps=2", "checkpoint.save_every=0"]
+    first = _train(tmp_path / "a", *steps)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "warm-up: up to 40 supervised updates" in first.stderr and "warm-up: 25/40 updates (" in first.stderr
+    (entry,) = (tmp_path / ".warmup-cache").iterdir()
+    assert f"warm-up: stored for reuse in {entry}" in first.stderr
+
+    second = _train(tmp_path / "b", *steps)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"warm-up: reused {entry}" in second.stderr and "warm-up: up to" not in second.stderr
+    assert _comparable(_metrics(tmp_path / "b")) == _comparable(_metrics(tmp_path / "a"))
+    a, b = _weights(tmp_path / "a" / "init_model"), _weights(tmp_path / "b" / "init_model")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    off = _train(tmp_path / "c", *steps, "algorithm.warmup_cache=false")
+    assert off.returncode == 0, off.stderr[-3000:]
+    assert "warm-up: up to 40 supervised updates" in off.stderr and "warmup-cache" not in off.stderr
+    assert _comparable(_metrics(tmp_path / "c")) == _comparable(_metrics(tmp_path / "a"))
+
+
 def test_training_with_a_user_reward_function_from_the_current_folder(tmp_path):
     # Any verifier as the reward: a function in the user's folder, given the row's extra columns; a bad path
     # stops the run at start-up in one line (exit 2).

@@ -151,3 +151,100 @@ def test_too_few_held_out_problems_for_validation_and_target_is_one_line(tmp_pat
     assert "has 600 problems" in msg and "data.val_max_problems=500" in msg
     assert "algorithm.warmup_eval_problems=256" in msg and "\n" not in msg
     assert not (tmp_path / "init_model").exists()
+
+
+def test_the_warm_up_logs_its_progress_against_the_target(tmp_path, eight, caplog):
+    cfg = _cfg("algorithm.warmup_target=[0.9,1.0]", "algorithm.warmup_sft_steps=12", "algorithm.warmup_eval_every=5")
+    with caplog.at_level(logging.INFO, logger="nemo_disco.tiny"):
+        result = tiny.warm_up(_fresh(tmp_path, "progress"), eight, cfg, eval_problems=eight)
+    lines = [r.getMessage() for r in caplog.records]
+    assert (
+        lines[0] == "warm-up: up to 12 supervised updates, measured every 5 on 8 held-out problems (target band 0.9-1)"
+    )
+    progress = [line for line in lines if line.startswith("warm-up: ") and "/12 updates (" in line]
+    assert [line.split()[1] for line in progress] == ["5/12", "10/12", "12/12"]
+    for line, (_, acc) in zip(progress, result.history, strict=True):
+        assert line.endswith(f"s), held-out greedy accuracy {acc:.3f} (target band 0.9-1)")
+    assert lines[-1] == result.message
+
+
+def test_a_warm_up_without_target_logs_updates_done(tmp_path, eight, caplog):
+    cfg = _cfg("algorithm.warmup_target=null", "algorithm.warmup_sft_steps=45")
+    with caplog.at_level(logging.INFO, logger="nemo_disco.tiny"):
+        tiny.warm_up(_fresh(tmp_path, "fixed"), eight, cfg)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0] == "warm-up: up to 45 supervised updates"
+    assert [line.split()[1] for line in lines[1:-1]] == ["20/45", "40/45", "45/45"]
+
+
+def _cached_warm_up(tmp_path: Path, name: str, eight: list, cache: Path, *overrides: str) -> Path:
+    cfg = _cfg("algorithm.warmup_target=null", "algorithm.warmup_sft_steps=30", *overrides)
+    model = _fresh(tmp_path, name)
+    tiny.warm_up(model, eight, cfg, cache=cache)
+    return model
+
+
+def _same_folder(a: Path, b: Path) -> bool:
+    names = sorted(f.name for f in a.iterdir())
+    return names == sorted(f.name for f in b.iterdir()) and all(
+        (a / n).read_bytes() == (b / n).read_bytes() for n in names
+    )
+
+
+def test_a_second_identical_warm_up_reuses_the_cached_model(tmp_path, eight, caplog, monkeypatch):
+    cache = tmp_path / "cache"
+    first = _cached_warm_up(tmp_path, "first", eight, cache)
+    (entry,) = cache.iterdir()
+    assert (entry / "model.safetensors").is_file() and (entry / "warmup.json").is_file()
+
+    def no_updates(*args: object) -> None:
+        raise AssertionError("a reused warm-up makes no update")
+
+    with monkeypatch.context() as m, caplog.at_level(logging.INFO, logger="nemo_disco.tiny"):
+        m.setattr(tiny, "_sft_update", no_updates)
+        second = _cached_warm_up(tmp_path, "second", eight, cache)
+    assert _same_folder(first, second)  # weights, config, tokenizer and warmup.json: byte for byte
+    reused = [r.getMessage() for r in caplog.records if r.getMessage().startswith("warm-up: reused")]
+    assert reused == [f"warm-up: reused {entry} (same model, data, seed and settings)"]
+
+    # Anything that changes the result is another entry: the learning rate, the updates, the initial weights.
+    _cached_warm_up(tmp_path, "lr", eight, cache, "algorithm.warmup_sft_lr=5e-3")
+    _cached_warm_up(tmp_path, "steps", eight, cache, "algorithm.warmup_sft_steps=31")
+    other = tiny.build_model(_cfg().policy.tiny, tmp_path / "seed", seed=1)
+    tiny.warm_up(other, eight, _cfg("algorithm.warmup_target=null", "algorithm.warmup_sft_steps=30"), cache=cache)
+    assert len(list(cache.iterdir())) == 4
+
+
+@pytest.mark.parametrize("damage", ["weights", "manifest", "missing"])
+def test_a_damaged_cache_entry_is_ignored_redone_and_replaced(tmp_path, eight, caplog, damage):
+    cache = tmp_path / "cache"
+    first = _cached_warm_up(tmp_path, "first", eight, cache)
+    (entry,) = cache.iterdir()
+    if damage == "weights":
+        data = bytearray((entry / "model.safetensors").read_bytes())
+        data[-5] ^= 0xFF
+        (entry / "model.safetensors").write_bytes(bytes(data))
+    elif damage == "manifest":
+        (entry / "cache-entry.json").write_text("{not json")
+    else:
+        (entry / "model.safetensors").unlink()
+    with caplog.at_level(logging.INFO, logger="nemo_disco.tiny"):
+        second = _cached_warm_up(tmp_path, "second", eight, cache)
+    messages = [r.getMessage() for r in caplog.records]
+    damaged = [m for m in messages if m.startswith(f"warm-up cache entry {entry} is damaged (")]
+    assert len(damaged) == 1 and damaged[0].endswith("): ignored, warming up again")
+    assert not any(m.startswith("warm-up: reused") for m in messages)
+    assert any(m.startswith("warm-up: 20/30 updates") for m in messages)  # redone
+    assert _same_folder(first, second)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="nemo_disco.tiny"):
+        third = _cached_warm_up(tmp_path, "third", eight, cache)  # the entry was replaced by a sound one
+    assert any(r.getMessage().startswith("warm-up: reused") for r in caplog.records) and _same_folder(first, third)
+
+
+def test_the_warm_up_cache_key_is_checked_at_load_time():
+    assert config.load(RECIPE, []).algorithm.warmup_cache is True
+    assert config.load(RECIPE, ["algorithm.warmup_cache=false"]).algorithm.warmup_cache is False
+    with pytest.raises(ConfigError) as err:
+        config.load(RECIPE, ["algorithm.warmup_cache=sometimes"])
+    assert "algorithm.warmup_cache" in str(err.value)
