@@ -132,6 +132,7 @@ step "   carried: $((carried / 1024)) KiB of $((CARRY_LIMIT / 1024)) KiB"
 
 step "5. the two calls at smoke sizes, each within its budget in a bare out folder, checked by"
 step "   tests/functional/test_gpu_check_smoke.py (return rules, every stage ok, the CPU figures), the calls in $VENV"
+mkdir -p "$OUT_ROOT"  # pytest makes --basetemp, not its parents
 GPU_CHECK_PYTHON="$VENV/bin/python" "$SOURCE_VENV/bin/python" -m pytest tests/functional/test_gpu_check_smoke.py \
   -q -p no:cacheprovider --basetemp="$OUT_ROOT" || fail "the calls or what they return (above)"
 step "passed in $((SECONDS - t0)) s"
