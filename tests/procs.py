@@ -1,15 +1,19 @@
-"""Helpers for tests that launch trainer processes: the shrunk tiny recipe, ports, and process-group runs."""
+"""Helpers for tests that launch trainer processes: the shrunk tiny recipe, ports, process-group runs, and small
+file systems that fill up."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+
+import pytest
 
 # recipes/tiny-cpu.yaml shrunk for tests: 8 questions x 4 rollouts per step, 2 updates per step, a short
 # warm-up (40 updates, no accuracy target), no validation, no progress bar or TensorBoard. Callers add steps
@@ -96,3 +100,19 @@ def launch_ranks(
         f"--- rank {r} (exit {c}) ---\n{t[-4000:]}" for r, (c, t) in enumerate(zip(codes, texts, strict=True))
     )
     return texts
+
+
+@contextlib.contextmanager
+def tmpfs(mnt: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` (``8k``, ``1m``) mounted on ``mnt`` (made with its parents) for the block, unmounted
+    after: a real file system that fills up. The test is skipped where mounting is not allowed."""
+    mnt.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True, text=True
+    )
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)

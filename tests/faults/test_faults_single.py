@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from faultlib import RECIPE, ROOT, checkpoint_names, comparable, fault_time, metrics, trainer_env
-from procs import FAST_TINY, run_group
+from procs import FAST_TINY, run_group, tmpfs
 
 from nemo_disco import checkpoint
 
@@ -88,15 +88,8 @@ def test_a_damaged_newest_checkpoint_is_skipped_and_the_run_resumes_from_the_pre
 def small_checkpoint_fs(tmp_path) -> Path:
     """``run/checkpoints`` on a 1.5 MiB tmpfs: one checkpoint of the tiny run (~1.05 MB) fits, two do not."""
     run = tmp_path / "run"
-    mnt = run / "checkpoints"
-    mnt.mkdir(parents=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1536k", "tmpfs", str(mnt)], capture_output=True)
-    if done.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
+    with tmpfs(run / "checkpoints", "1536k"):
         yield run
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
 
 
 def test_disk_full_during_a_save_stops_with_a_clear_error_and_keeps_the_previous_checkpoint(base, small_checkpoint_fs):

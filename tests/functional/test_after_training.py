@@ -120,23 +120,15 @@ def test_a_checkpoint_without_tokenizer_files_takes_the_runs_initial_model(run, 
 def test_a_sigterm_stops_the_evaluation_as_ctrl_c_does_saying_what_was_kept(tiny_qwen2, tmp_path):
     """SIGTERM (kill, scancel, a Slurm time limit) used to end the evaluation silently (killed by the signal)."""
     import signal
-    import time
 
-    args = ["eval", "--model", str(tiny_qwen2), "--backend", "hf", "--benchmarks", "math,aime", "--samples", "2",
-            "--temperature", "1.0", "--max-tokens", "24", "--max-problems", "15", "--chunk-problems", "1",
-            "--workers", "1", "--bootstrap", "100"]  # fmt: skip
+    args = _interruptible_eval(tiny_qwen2)
     out = tmp_path / "terminated"
     log = tmp_path / "stderr.txt"
     with log.open("w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "nemo_disco.cli", *args, "--out", str(out)], cwd=ROOT,
                                 env={**os.environ, **THREADS}, stdout=subprocess.DEVNULL, stderr=err)  # fmt: skip
-        deadline = time.monotonic() + 300
         try:
-            while time.monotonic() < deadline and proc.poll() is None:
-                parts = list((out / "partial").glob("part-*.jsonl"))
-                if parts and len(parts[0].read_text().splitlines()) >= 4:  # two chunks written
-                    break
-                time.sleep(0.02)
+            _wait_for_two_chunks(proc, out)
             proc.send_signal(signal.SIGTERM)
             code = proc.wait(timeout=120)
         finally:
@@ -156,22 +148,14 @@ def test_a_sigterm_stops_the_evaluation_as_ctrl_c_does_saying_what_was_kept(tiny
 def test_a_killed_evaluation_continues_to_the_uninterrupted_result(tiny_qwen2, tmp_path):
     """SIGKILL part-way (nothing to clean up, a line may be cut short), rerun: the written chunks are reused."""
     import signal
-    import time
 
-    args = ["eval", "--model", str(tiny_qwen2), "--backend", "hf", "--benchmarks", "math,aime", "--samples", "2",
-            "--temperature", "1.0", "--max-tokens", "24", "--max-problems", "15", "--chunk-problems", "1",
-            "--workers", "1", "--bootstrap", "100"]  # fmt: skip
+    args = _interruptible_eval(tiny_qwen2)
     env = {**os.environ, **THREADS}
     out = tmp_path / "killed"
     proc = subprocess.Popen([sys.executable, "-m", "nemo_disco.cli", *args, "--out", str(out)], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    deadline = time.monotonic() + 300
     try:
-        while time.monotonic() < deadline and proc.poll() is None:
-            parts = list((out / "partial").glob("part-*.jsonl"))
-            if parts and len(parts[0].read_text().splitlines()) >= 4:  # two chunks written
-                break
-            time.sleep(0.02)
+        _wait_for_two_chunks(proc, out)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
@@ -188,3 +172,22 @@ def test_a_killed_evaluation_continues_to_the_uninterrupted_result(tiny_qwen2, t
     assert plain.stderr.count("responses graded and written") == 30
     assert (out / "responses.jsonl").read_text() == (tmp_path / "plain" / "responses.jsonl").read_text()
     assert (out / "summary.json").read_text() == (tmp_path / "plain" / "summary.json").read_text()
+
+
+def _interruptible_eval(model: Path) -> list[str]:
+    """An evaluation long enough to interrupt part-way: 15 problems of two benchmarks in chunks of one problem."""
+    return ["eval", "--model", str(model), "--backend", "hf", "--benchmarks", "math,aime", "--samples", "2",
+            "--temperature", "1.0", "--max-tokens", "24", "--max-problems", "15", "--chunk-problems", "1",
+            "--workers", "1", "--bootstrap", "100"]  # fmt: skip
+
+
+def _wait_for_two_chunks(proc: subprocess.Popen, out: Path, limit_s: float = 300) -> None:
+    """Until the evaluation writing into ``out`` has written two chunks (4 records), or ends, or ``limit_s`` passes."""
+    import time
+
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        parts = list((out / "partial").glob("part-*.jsonl"))
+        if parts and len(parts[0].read_text().splitlines()) >= 4:
+            break
+        time.sleep(0.02)

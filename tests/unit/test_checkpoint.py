@@ -160,17 +160,10 @@ def test_keep_last_ignores_checkpoints_newer_than_the_step_saved(tmp_path):
 @pytest.fixture()
 def small_fs(tmp_path):
     """A 1 MiB tmpfs (a real file system that fills up); skipped where mounting is not allowed."""
-    import subprocess
+    from procs import tmpfs
 
-    mnt = tmp_path / "run"
-    mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if done.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    try:
+    with tmpfs(tmp_path / "run", "1m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
 
 
 class _BigPolicy:

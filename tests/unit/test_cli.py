@@ -403,15 +403,10 @@ def test_convert_silences_megatron_cores_full_scope_warning_only(monkeypatch):
 @pytest.fixture()
 def small_out(tmp_path):
     """An 8 KiB tmpfs for --out (two pages: settings.json and the first page of records fit, the rest does not)."""
-    mnt = tmp_path / "out"
-    mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8k", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if done.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    try:
+    from procs import tmpfs
+
+    with tmpfs(tmp_path / "out", "8k") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
 
 
 def test_eval_on_a_full_disk_names_the_file_and_keeps_the_responses_for_a_rerun(

@@ -70,37 +70,18 @@ def test_dynamic_sampling_stops_at_the_informative_share(share, per_round, round
 
 
 def test_build_rollouter_samples_and_grades_a_step_on_one_engine(tiny_qwen2):
-    from transformers import AutoTokenizer
-
-    from nemo_disco.data import new_sampler, train_problems
-    from nemo_disco.distributed import DistEnv
-    from nemo_disco.generation.factory import build_run_generator
-    from nemo_disco.rollouts.rollouter import build_rollouter
-
-    cfg = config.load(
-        config.Path(__file__).resolve().parents[2] / "recipes" / "tiny-cpu.yaml",
-        [
-            f"policy.model_path={tiny_qwen2}",
-            "data.synthetic_size=16",
-            "algorithm.prompts_per_step=4",
-            "algorithm.minibatch_prompts=4",
-            "reward.workers=1",
-        ],
-    )
-    tokenizer = AutoTokenizer.from_pretrained(str(tiny_qwen2))
-    problems, prompt_ids, _, _ = train_problems(cfg.data, tokenizer, max_prompt_tokens=32, prompts_per_step=4)
-    sampler = new_sampler(cfg.data, len(problems), 4)
-    env = DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0)
-    ro = build_rollouter(cfg, env, tokenizer, problems, prompt_ids, sampler, build_run_generator(cfg, tiny_qwen2))
+    ro = _rollouter(tiny_qwen2)
     try:
         assert (ro.engines.index, ro.engines.leader) == (0, True)
         records, metrics = step_rollouts(ro, 1)
     finally:
         ro.close()
-    assert [r.question for r in records] == new_sampler(cfg.data, len(problems), 4).next_batch()
-    g = cfg.algorithm.rollouts_per_prompt
+    from nemo_disco.data import new_sampler
+
+    assert [r.question for r in records] == new_sampler(ro.cfg.data, len(ro.problems), 4).next_batch()
+    g = ro.cfg.algorithm.rollouts_per_prompt
     for rec in records:
-        assert rec.prompt == prompt_ids[rec.question]
+        assert rec.prompt == ro.prompt_ids[rec.question]
         assert len(rec.responses) == len(rec.logprobs) == len(rec.finish) == len(rec.rewards) == g
         assert all(len(lp) == len(resp) <= 12 for lp, resp in zip(rec.logprobs, rec.responses, strict=True))
     assert metrics["reward/timeouts"] == metrics["reward/errors"] == 0.0 and metrics["timing/generate"] > 0
@@ -184,33 +165,12 @@ def test_dynamic_sampling_stops_topping_up_once_the_failed_share_is_reached():
 
 def test_a_reward_function_that_returns_nan_everywhere_stops_the_step(tiny_qwen2, tmp_path, monkeypatch):
     # Before: NaN rewards trained as negatives and the run ended with exit 0.
-    from transformers import AutoTokenizer
-
-    from nemo_disco.data import new_sampler, train_problems
-    from nemo_disco.distributed import DistEnv
-    from nemo_disco.generation.factory import build_run_generator
     from nemo_disco.rollouts import RewardError
-    from nemo_disco.rollouts.rollouter import build_rollouter
 
     (tmp_path / "nan_rewards.py").write_text("def nan(response, answer, **fields):\n    return float('nan')\n")
     monkeypatch.chdir(tmp_path)
-    cfg = config.load(
-        config.Path(__file__).resolve().parents[2] / "recipes" / "tiny-cpu.yaml",
-        [
-            f"policy.model_path={tiny_qwen2}",
-            "data.synthetic_size=16",
-            "algorithm.prompts_per_step=4",
-            "algorithm.minibatch_prompts=4",
-            "reward.workers=1",
-            "reward.function=nan_rewards:nan",
-        ],
-    )
-    tokenizer = AutoTokenizer.from_pretrained(str(tiny_qwen2))
-    problems, prompt_ids, _, _ = train_problems(cfg.data, tokenizer, max_prompt_tokens=32, prompts_per_step=4)
-    sampler = new_sampler(cfg.data, len(problems), 4)
-    env = DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0)
-    ro = build_rollouter(cfg, env, tokenizer, problems, prompt_ids, sampler, build_run_generator(cfg, tiny_qwen2))
-    n = 4 * cfg.algorithm.rollouts_per_prompt
+    ro = _rollouter(tiny_qwen2, "reward.function=nan_rewards:nan")
+    n = 4 * ro.cfg.algorithm.rollouts_per_prompt
     try:
         with pytest.raises(RewardError) as err:
             step_rollouts(ro, 1)
@@ -221,3 +181,22 @@ def test_a_reward_function_that_returns_nan_everywhere_stops_the_step(tiny_qwen2
         f"step 1: reward errors {n}/{n} (0 timeouts): every reward failed, stopping; the first: reward.function "
         "nan_rewards:nan failed on an item: ValueError: the reward function returned nan, expected a finite float"
     )
+
+
+def _rollouter(tiny_model, *overrides: str):
+    """A real rollouter over the tiny recipe (4 questions a step, one grading worker) on one engine."""
+    from transformers import AutoTokenizer
+
+    from nemo_disco.data import new_sampler, train_problems
+    from nemo_disco.distributed import DistEnv
+    from nemo_disco.generation.factory import build_run_generator
+    from nemo_disco.rollouts.rollouter import build_rollouter
+
+    base = [f"policy.model_path={tiny_model}", "data.synthetic_size=16", "algorithm.prompts_per_step=4"]
+    base += ["algorithm.minibatch_prompts=4", "reward.workers=1"]
+    cfg = config.load(config.Path(__file__).resolve().parents[2] / "recipes" / "tiny-cpu.yaml", [*base, *overrides])
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model))
+    problems, prompt_ids, _, _ = train_problems(cfg.data, tokenizer, max_prompt_tokens=32, prompts_per_step=4)
+    sampler = new_sampler(cfg.data, len(problems), 4)
+    env = DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0)
+    return build_rollouter(cfg, env, tokenizer, problems, prompt_ids, sampler, build_run_generator(cfg, tiny_model))
