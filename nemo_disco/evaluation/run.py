@@ -279,7 +279,7 @@ def evaluate_model(
         raise ValueError(f"samples={samples}, max_tokens={max_tokens} and chunk_problems={chunk_problems} must be >= 1")
     env = distributed.read_env()
     if generator is None:  # before any work: a --backend vllm that cannot run is refused here
-        backend, why = choose_backend(backend)
+        backend, why = choose_backend(backend, model_dir)
     if env.world_size % tensor_parallel_size:
         raise ValueError(
             f"--tp {tensor_parallel_size} does not divide the {env.world_size} processes of the job (one per GPU)"
