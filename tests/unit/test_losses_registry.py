@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from loss_reference import NAIVE_DEFAULTS, VARIANTS
+from loss_reference import NAIVE_DEFAULTS, VARIANTS, write_docs_loss_example
 
 from nemo_disco import losses
 
@@ -57,29 +57,8 @@ def test_a_name_is_declared_once() -> None:
     assert losses.LOSSES["disco"].objective_fn is losses.disco_objective
 
 
-USER_MODULE = '''
-from pydantic import Field
-
+MALFORMED = """
 from nemo_disco.losses import Hyper
-
-
-class Mean:
-    """Minus the mean token log-prob of the positives, times a scale."""
-
-    class Params(Hyper):
-        scale: float = Field(1.0, gt=0)
-
-    stat_names = ("logp_mean",)
-
-    @staticmethod
-    def stats(logprobs, old_logprobs, mask, entropy, ref_logprobs, p):
-        m = mask.bool()
-        return ((logprobs * m).sum(1) / m.sum(1).clamp(min=1))[:, None]
-
-    @staticmethod
-    def objective(stats, group_ids, rewards, weights, p):
-        pos = (rewards > p.positive_threshold).to(stats.dtype)
-        return -p.scale * (stats[:, 0] * pos).sum() / pos.sum().clamp(min=1), {}
 
 
 class NoParams:
@@ -88,46 +67,18 @@ class NoParams:
 
 class Incomplete:
     Params = Hyper
-'''
+"""
 
 
 def test_a_loss_of_the_users_own_is_found_by_its_module_and_class(tmp_path, monkeypatch) -> None:
     import torch
 
-    (tmp_path / "my_loss_module.py").write_text(USER_MODULE)
+    name = write_docs_loss_example(tmp_path)
+    (tmp_path / "malformed_losses.py").write_text(MALFORMED)
     monkeypatch.syspath_prepend(str(tmp_path))
-    fn = losses.get_loss("my_loss_module:Mean", scale=2.0)
-    assert fn.name == "my_loss_module:Mean" and fn.hyperparameters["scale"] == 2.0
-    assert fn.coupling(first_update=True, weighted=False) == losses.MINIBATCH  # none declared: always exact
-    lp = torch.tensor([[-1.0, -3.0], [-2.0, 0.0]], dtype=torch.float64, requires_grad=True)
-    mask = torch.tensor([[True, True], [True, False]])
-    loss, _ = fn(lp, lp.detach(), mask, torch.tensor([0, 0]), torch.tensor([1.0, 0.0], dtype=torch.float64))
-    assert loss.item() == pytest.approx(2.0 * 2.0)  # -2 x mean(-1, -3) over the one positive
-    with pytest.raises(ValueError, match=r"^tau is not a parameter of my_loss_module:Mean \(disco, drpo have it\)"):
-        losses.get_loss("my_loss_module:Mean", tau=1.0)
-    with pytest.raises(ValueError, match="scale=0.0: input should be greater than 0"):
-        losses.get_loss("my_loss_module:Mean", scale=0.0)
-    for spec, message in (
-        ("no_such_module_here:Mean", "module 'no_such_module_here' does not import: No module named"),
-        ("my_loss_module:Median", "module 'my_loss_module' has no 'Median'"),
-        ("my_loss_module:NoParams", "NoParams.Params must be a parameter model, a subclass of losses.Hyper"),
-        ("my_loss_module:Incomplete", "Incomplete lacks stat_names, stats, objective"),
-    ):
-        with pytest.raises(ValueError, match=f"^loss '{spec}': {message}"):
-            losses.get_loss(spec)
-
-
-def test_the_worked_example_of_docs_losses_md_runs(tmp_path, monkeypatch) -> None:
-    import re
-    from pathlib import Path
-
-    import torch
-
-    doc = (Path(__file__).resolve().parents[2] / "docs" / "losses.md").read_text()
-    section = doc[doc.index("## A loss of your own") :]
-    (tmp_path / "my_losses.py").write_text(re.search(r"```python\n(.*?)```", section, re.S).group(1))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    fn = losses.get_loss("my_losses:MeanBaselinePG", scale=0.5)
+    fn = losses.get_loss(name, scale=0.5)
+    assert fn.name == "my_losses:MeanBaselinePG" and fn.hyperparameters["scale"] == 0.5
+    assert fn.coupling(first_update=False, weighted=True) == losses.ROLLOUT  # as the class declares
     lp = torch.tensor([[-1.0, -3.0], [-2.0, float("nan")], [-0.5, -0.5]], dtype=torch.float64, requires_grad=True)
     mask = torch.tensor([[True, True], [True, False], [True, True]])
     gids, rewards = torch.tensor([4, 4, 9]), torch.tensor([1.0, 0.0, 1.0], dtype=torch.float64)
@@ -136,9 +87,23 @@ def test_the_worked_example_of_docs_losses_md_runs(tmp_path, monkeypatch) -> Non
     # J = (0.5 * -2 + -0.5 * -2 + 0) / 3 = 0; the loss is -0.5 * J.
     assert metrics["objective"] == 0.0 and loss.item() == 0.0
     (grad,) = torch.autograd.grad(loss, lp)
+    assert grad[0, 0].item() == pytest.approx(-0.5 * 0.5 / 3 / 2)  # -scale * advantage / N / tokens
+    # The trainer's exact two passes give the same gradient, as for a registered loss.
     stats = fn.stats(lp, lp.detach(), mask)
     coeffs, _, _ = losses.coefficients(fn, stats, gids, rewards)
     (two_pass,) = torch.autograd.grad(losses.surrogate(coeffs, stats), lp)
     assert torch.equal(torch.nan_to_num(grad), torch.nan_to_num(two_pass))
-    assert grad[0, 0].item() == pytest.approx(-0.5 * 0.5 / 3 / 2)  # -scale * adv / N / tokens
-    assert fn.coupling(first_update=False, weighted=True) == losses.ROLLOUT
+    with pytest.raises(
+        ValueError, match=r"^tau is not a parameter of my_losses:MeanBaselinePG \(disco, drpo have it\)"
+    ):
+        losses.get_loss(name, tau=1.0)
+    with pytest.raises(ValueError, match="scale=0.0: input should be greater than 0"):
+        losses.get_loss(name, scale=0.0)
+    for spec, message in (
+        ("no_such_module_here:Mean", "module 'no_such_module_here' does not import: No module named"),
+        ("my_losses:Median", "module 'my_losses' has no 'Median'"),
+        ("malformed_losses:NoParams", "NoParams.Params must be a parameter model, a subclass of losses.Hyper"),
+        ("malformed_losses:Incomplete", "Incomplete lacks stat_names, stats, objective"),
+    ):
+        with pytest.raises(ValueError, match=f"^loss '{spec}': {message}"):
+            losses.get_loss(spec)

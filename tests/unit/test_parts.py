@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from loss_reference import write_docs_loss_example
 
 from nemo_disco import config, losses, parts
 from nemo_disco.config import ConfigError
@@ -82,29 +83,6 @@ def test_null_takes_the_losses_default_and_composing_twice_changes_nothing():
         config.load(GRPO, ["loss.rollout_correction_cap=0"])
 
 
-USER_MODULE = """
-from pydantic import Field
-
-from nemo_disco.losses import Hyper
-
-
-class Mean:
-    class Params(Hyper):
-        scale: float = Field(1.0, gt=0)
-
-    stat_names = ("logp_mean",)
-
-    @staticmethod
-    def stats(logprobs, old_logprobs, mask, entropy, ref_logprobs, p):
-        m = mask.bool()
-        return ((logprobs * m).sum(1) / m.sum(1).clamp(min=1))[:, None]
-
-    @staticmethod
-    def objective(stats, group_ids, rewards, weights, p):
-        return -p.scale * stats[:, 0].mean(), {}
-"""
-
-
 def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "nemo_disco.cli", "train", "--config", str(TINY), "--print-config", *args]
@@ -112,17 +90,17 @@ def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_the_cli_takes_a_loss_of_the_users_own_and_names_what_is_wrong_in_one_line(tmp_path):
-    (tmp_path / "user_losses.py").write_text(USER_MODULE)
-    ok = _cli(tmp_path, "loss.name=user_losses:Mean", "loss.scale=0.5")
+    name = write_docs_loss_example(tmp_path)  # docs/losses.md's worked example, on PYTHONPATH
+    ok = _cli(tmp_path, f"loss.name={name}", "loss.scale=0.5")
     assert ok.returncode == 0, ok.stderr
-    assert "name: user_losses:Mean" in ok.stdout and "scale: 0.5" in ok.stdout and "tau:" not in ok.stdout
+    assert f"name: {name}" in ok.stdout and "scale: 0.5" in ok.stdout and "tau:" not in ok.stdout
     for override, fragment in (
         ("loss.name=no_such_losses:Mean", "loss 'no_such_losses:Mean': module 'no_such_losses' does not import"),
-        ("loss.name=user_losses:Median", "module 'user_losses' has no 'Median'"),
+        ("loss.name=my_losses:Median", "module 'my_losses' has no 'Median'"),
         ("loss.scale=-1", "loss.scale=-1: input should be greater than 0"),
-        ("loss.tau=1", "loss.tau is not a parameter of user_losses:Mean (disco, drpo have it)"),
+        ("loss.tau=1", f"loss.tau is not a parameter of {name} (disco, drpo have it)"),
     ):
-        name = [] if override.startswith("loss.name") else ["loss.name=user_losses:Mean"]
-        bad = _cli(tmp_path, *name, override)
+        chosen = [] if override.startswith("loss.name") else [f"loss.name={name}"]
+        bad = _cli(tmp_path, *chosen, override)
         lines = bad.stderr.strip().splitlines()
         assert bad.returncode == 2 and len(lines) == 1 and fragment in lines[0], (override, bad.stderr)
