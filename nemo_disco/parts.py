@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from nemo_disco import losses
 from nemo_disco.config import ConfigError, LossConfig, RunConfig, key_place
@@ -32,9 +32,13 @@ class LossKeyError(ConfigError):
 
 def _find(cfg: RunConfig) -> losses.Loss:
     try:
-        return losses.find_loss(cfg.loss.name)
+        loss = losses.find_loss(cfg.loss.name)
     except ValueError as err:
         raise ConfigError(f"loss.name: {err}") from None
+    clash = sorted(set(loss.hparams.model_fields) & set(LossConfig.model_fields))
+    if clash:
+        raise ConfigError(f"loss {loss.name!r}: its parameter(s) {clash} clash with the loss section's shared keys")
+    return loss
 
 
 def _hyperparameters(cfg: RunConfig, loss: losses.Loss) -> dict[str, Any]:
@@ -49,8 +53,12 @@ def _hyperparameters(cfg: RunConfig, loss: losses.Loss) -> dict[str, Any]:
         if value is not None:
             hp[key] = value
     for key, path in from_run.items():
-        section, _, field = path.partition(".")
-        hp[key] = getattr(getattr(cfg, section), field)
+        value: Any = cfg
+        for name in path.split("."):
+            if not isinstance(value, BaseModel) or name not in type(value).model_fields:
+                raise ConfigError(f"loss {loss.name!r}: its parameter {key} reads {path}, which is not a config key")
+            value = getattr(value, name)
+        hp[key] = value
     return hp
 
 

@@ -25,12 +25,21 @@ from nemo_disco.losses.reduce import check_tokens
 RUN_KEY = "run_key"
 
 
+def from_run(key: str, default: Any, **constraints: Any) -> Any:
+    """A parameter the run config sets from another section (``key``, e.g. ``generation.max_response_tokens``).
+
+    The ``loss`` section does not take it: the value is the run's own, so the two cannot disagree.
+    """
+    return Field(default, json_schema_extra={RUN_KEY: key}, **constraints)
+
+
 class Hyper(BaseModel):
     """Hyper-parameters every loss takes; a loss's parameter model subclasses it with its own fields."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, validate_default=True)
 
-    positive_threshold: float = Field(0.5, json_schema_extra={RUN_KEY: "reward.positive_threshold"})
+    # Rollouts with a reward above it are positives: the run's reward.positive_threshold.
+    positive_threshold: float = from_run("reward.positive_threshold", 0.5)
     # Estimator of KL(pi_old || pi_theta): the constraint of DisCO, a monitored metric for the GRPO family.
     kl: Literal["k1", "k3"] = "k1"
     # Largest |log pi_theta - log pi_old| fed to exp() (L-ratio score, k3 estimators; clamped, counted).
@@ -40,14 +49,6 @@ class Hyper(BaseModel):
     def needs_reference(self) -> bool:
         """Whether these settings need the reference policy's log-probs."""
         return False
-
-
-def from_run(key: str, default: Any, **constraints: Any) -> Any:
-    """A parameter the run config sets from another section (``key``, e.g. ``generation.max_response_tokens``).
-
-    The ``loss`` section does not take it: the value is the run's own, so the two cannot disagree.
-    """
-    return Field(default, json_schema_extra={RUN_KEY: key}, **constraints)
 
 
 def run_keys(model: type[Hyper]) -> dict[str, str]:
