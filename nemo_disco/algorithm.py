@@ -55,7 +55,7 @@ from typing import Any
 
 import torch
 
-from nemo_disco import checkpoint, data, distributed, hooks, losses, rollouts, stats, update, watchdog, weights
+from nemo_disco import checkpoint, data, distributed, hooks, losses, parts, rollouts, stats, update, watchdog, weights
 from nemo_disco import config as config_lib
 from nemo_disco.batch import QuestionRollouts, RolloutBatch, collate_questions
 from nemo_disco.config import ConfigError, RunConfig
@@ -225,7 +225,7 @@ def setup(cfg: RunConfig, role: tuple[distributed.DistEnv, distributed.Link] | N
     # Synchronous: the generator first (asleep when colocated), so that vLLM finds the GPU's memory free.
     generator = rollouts.start_generator(cfg, model_dir) if role is None else None
     policy = build_policy(cfg, model_dir)
-    loss = losses.get_loss(cfg.loss.name, **config_lib.loss_kwargs(cfg))  # validated and bound once
+    loss = parts.loss_of(cfg)  # its hyper-parameters validated by its own model and bound once
     # The KL reference (GRPO family with kl_coef > 0): forward only, offloaded with the policy when colocated.
     ref_policy = build_policy(cfg, model_dir, trainable=False) if loss.needs_reference else None
 
