@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 from nemo_disco import config as config_lib
-from nemo_disco import parts
 from nemo_disco.data import DEFAULT_TEMPLATE
 
 EXIT_USAGE = 2
@@ -38,17 +37,26 @@ class JobError(UserError):
 JOB_ERROR_GRACE_S = 10.0
 
 
+def _with_loss(cfg: config_lib.RunConfig, args: argparse.Namespace) -> config_lib.RunConfig:
+    """The loss section checked by the chosen loss's own model (the losses import torch: after _share_cores)."""
+    from nemo_disco import parts
+
+    return parts.compose_loaded(cfg, args.config, args.overrides)
+
+
 def _train(args: argparse.Namespace) -> int:
     try:
-        cfg = parts.load(args.config, args.overrides)  # the loss section checked by the chosen loss's own model
+        cfg = config_lib.load(args.config, args.overrides)
+        if args.print_config:
+            cfg = _with_loss(cfg, args)
+            if os.environ.get("RANK", "0") == "0":
+                print(config_lib.to_yaml(cfg), end="")
+            return 0
+        _check_launch(cfg)
+        generator_env = _share_cores(cfg)  # before torch loads (OpenMP reads its settings once, as it loads)
+        cfg = _with_loss(cfg, args)
     except config_lib.ConfigError as err:
         raise JobError(str(err)) from None
-    if args.print_config:
-        if os.environ.get("RANK", "0") == "0":
-            print(config_lib.to_yaml(cfg), end="")
-        return 0
-    _check_launch(cfg)
-    generator_env = _share_cores(cfg)  # before torch loads (OpenMP reads its settings once, as it loads)
     from nemo_disco import files, hooks
 
     files.check_writable(cfg.logging.run_dir, "logging.run_dir", create=False)  # created once the sources load

@@ -98,7 +98,18 @@ def load(recipe: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ())
     Raises:
         ConfigError: one line naming the file (and line) or key.
     """
-    cfg = load_config(recipe, overrides)
+    return compose_loaded(load_config(recipe, overrides), recipe, overrides)
+
+
+def compose_loaded(cfg: RunConfig, recipe: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """:func:`compose` of ``cfg``, loaded from ``recipe`` and ``overrides``: a bad loss key is named where it is set.
+
+    For a caller that needs the config before torch loads (the losses import it): ``nemo-disco train`` sets
+    OpenMP's environment from the loaded config first.
+
+    Raises:
+        ConfigError: one line naming the file (and line) or key.
+    """
     try:
         return compose(cfg)
     except LossKeyError as err:

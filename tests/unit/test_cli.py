@@ -367,11 +367,11 @@ def test_launch_ranks_other_than_zero_leave_a_job_wide_error_to_process_zero(bar
     bare_env.setattr(cli, "JOB_ERROR_GRACE_S", 0.0)
     bare_env.setenv("RANK", "1")
     bare_env.setenv("WORLD_SIZE", "2")
-    assert cli.main(["train", "--config", str(RECIPE), "loss.betta=1"]) == 2
+    assert cli.main(["train", "--config", str(RECIPE), "policy.lrr=1"]) == 2
     assert capsys.readouterr().err == ""
     bare_env.setenv("RANK", "0")
-    assert cli.main(["train", "--config", str(RECIPE), "loss.betta=1"]) == 2
-    assert capsys.readouterr().err.startswith("nemo-disco train: error: unknown config key 'loss.betta'")
+    assert cli.main(["train", "--config", str(RECIPE), "policy.lrr=1"]) == 2
+    assert capsys.readouterr().err.startswith("nemo-disco train: error: unknown config key 'policy.lrr'")
 
 
 def test_plot_names_a_label_count_that_differs_from_the_runs(tmp_path, capsys):
