@@ -310,28 +310,134 @@ def micro_batch_tokens(cfg: Any) -> int:
     return max(cfg.policy.microbatch_tokens, g.max_prompt_tokens + g.max_response_tokens)
 
 
-def layer_activation_bytes(s: Shapes, tokens: int, tp: int, sp: bool, e: int) -> tuple[int, str]:
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch's shape and how the layers run it (see :func:`micro_batch_bytes`)."""
+
+    tokens: int
+    seq: int
+    tp: int = 1
+    sp: bool = False
+    dtype_bytes: int = 2
+    recompute: Any = False
+    chunk: int = 1024
+    entropy: bool = True
+    #: "te": Transformer Engine (fused RMSNorm + linear, fused attention, fused SwiGLU; packed rows, the GPU path);
+    #: "local": mcore's local spec (torch RMSNorm, unfused attention keeping s^2 scores, padded rows; the CPU path).
+    kernels: str = "te"
+    layers: int = 1
+    in_flight: int = 1
+    last_stage: bool = True
+
+
+def layer_activation_bytes(s: Shapes, mb: MicroBatch) -> tuple[int, str]:
     """Bytes one layer keeps for its backward with no recomputation, and the formula.
 
-    Korthikanti et al. 2022 (sec. 4.1) count each tensor a layer saves; here for RMSNorm, a fused attention kernel
-    (no s^2 scores, as Transformer Engine's), grouped-query attention, SwiGLU, no dropout, element size ``e``.
+    Korthikanti et al. 2022 (sec. 4.1) count each tensor a layer saves for its backward. Counted here for the layers
+    this package builds (RMSNorm, grouped-query attention, SwiGLU or routed experts, no dropout), per token, with
+    ``t`` = TP and ``e`` the element size:
+
+    - ``te``: each fused norm + linear keeps its input and the normalised output (``2e h`` twice, ``/t`` with
+      sequence parallelism); the fused attention keeps q, k, v and its output (``e (2q + 2kv) / t``, no ``s^2``
+      scores), Qwen3's q / k norms their inputs (``2e (q + kv) / t``); the fused SwiGLU its input and output
+      (``3e f / t``).
+    - ``local``: torch's RMSNorm keeps its float32 input and normalised output (``16 h``) and the linear the
+      model-dtype copy (``2e h``); the unfused attention keeps q, k and v expanded to every head (``3e q / t``), its
+      output (``e q / t``), and per score the float32 softmax and the model-dtype probabilities
+      (``(4 + e) a s / t``); the unfused SwiGLU ``5e f / t``.
     """
-    t, h, d = tp, s.hidden, s.head_dim
+    t, h, d, e = mb.tp, s.hidden, s.head_dim, mb.dtype_bytes
     q, kv = s.heads * d, s.kv_heads * d
-    norm = 4 * h // (t if sp else 1)  # two norm inputs + two norm outputs (linear inputs); 1/t of them with SP
-    attn = (q + 2 * kv + q) // t + (2 * (q + kv) // t if s.qk_norm else 0)  # q, k, v, attention output (+ qk norms)
-    attn_formula = "(2q+2kv)/t" + (" + 2(q+kv)/t" if s.qk_norm else "")
-    if s.is_moe:
-        k, f, experts = s.topk, s.moe_ffn, s.experts
-        # routed tokens: the layer's tokens after sequence parallelism (MoE uses it at TP > 1), k copies each
-        mlp_tokens = k / t if t > 1 else k
-        mlp = mlp_tokens * (2 * h + 3 * f) + 2 * 8 * experts / max(t, 1) / e  # permuted in/out, fc1, act; fp64 router
-        mlp_formula = "k/t*(2h+3f_moe) + 16E/t/e"
+    nd = t if mb.sp else 1
+    if mb.kernels == "te":
+        per_token = 4 * e * h / nd + e * (2 * q + 2 * kv) / t + (2 * e * (q + kv) / t if s.qk_norm else 0)
+        formula = f"T*(4e h{'/t' if mb.sp else ''} + e(2q+2kv)/t" + (" + 2e(q+kv)/t" if s.qk_norm else "")
+        mlp, mlp_formula = 3 * e * s.ffn / t, "3e f/t"
     else:
-        mlp, mlp_formula = 3 * s.ffn / t, "3f/t"
-    per_token = norm + attn + mlp
-    formula = f"e*T*({'4h/t' if sp else '4h'} + {attn_formula} + {mlp_formula})"
-    return int(e * tokens * per_token), formula
+        per_token = 16 * h / nd + 2 * e * h / nd + 4 * e * q / t + (4 + e) * s.heads * mb.seq / t
+        per_token += 8 * (q + kv) / t if s.qk_norm else 0
+        formula = f"T*(16h + 2e h + 4e q/t + (4+e) a s/t{' + 8(q+kv)/t' if s.qk_norm else ''}"
+        mlp, mlp_formula = 5 * e * s.ffn / t, "5e f/t"
+    if s.is_moe:
+        # Routed tokens: the layer's tokens after sequence parallelism (MoE runs it at TP > 1), k copies each: the
+        # permuted input and the expert output (h each), fc1 output and activation (3 f_moe); fp64 router logits
+        # and probabilities (16 E).
+        k = s.topk / t
+        mlp = e * k * (2 * h + 3 * s.moe_ffn) + 16 * s.experts / t
+        mlp_formula = "e k/t (2h + 3f_moe) + 16E/t"
+    return int(mb.tokens * (per_token + mlp)), f"{formula} + {mlp_formula})"
+
+
+def layer_forward_bytes(s: Shapes, mb: MicroBatch) -> int:
+    """The working set of one layer's forward without autograd (the log-prob pass): its largest sub-block.
+
+    The MLP's fc1 output, activation and output (``e (3f + 2h) / t`` per token, routed tokens for MoE); the
+    unfused attention's scores in the model dtype, their float32 copy, the masked copy and the softmax
+    (``(e + 12) a s / t``) beside q, k, v.
+    """
+    t, e, h = mb.tp, mb.dtype_bytes, s.hidden
+    f = s.moe_ffn * s.topk if s.is_moe else s.ffn
+    mlp = e * (3 * f + 2 * h) / t
+    q = s.heads * s.head_dim
+    attn = e * (4 * q) / t + ((e + 12) * s.heads * mb.seq / t if mb.kernels == "local" else 0)
+    return int(mb.tokens * max(mlp, attn))
+
+
+def micro_batch_bytes(s: Shapes, vocab: int, mb: MicroBatch) -> dict[str, dict[str, int]]:
+    """Per phase (``training``, ``logprobs``), the bytes of one micro-batch: ``activations``, ``logits``, ``chunk``.
+
+    Training keeps, per pipeline stage, ``in_flight`` micro-batches of ``layers`` layers (1F1B: the first stage
+    holds PP of them): every tensor of :func:`layer_activation_bytes`, or with full recomputation each layer's
+    input only (``e T h``) plus one layer recomputed in the backward, which is never alive at once with the
+    logits' backward (the larger of the two counts). The last stage adds the logits ``e T V / t`` (kept for the
+    log-prob backward) and their gradient, the final norm and the output layer's input, and the float32
+    ``[chunk, V / t]`` blocks of the chunked log-prob (two with the entropy). The log-prob pass keeps no
+    activations: its peak is the larger of one layer's forward working set and the logits (twice with the
+    local spec's padded rows: mcore transposes them to ``[b, s, V]`` by a copy).
+    """
+    t, e, h = mb.tp, mb.dtype_bytes, s.hidden
+    nd = t if mb.sp else 1
+    per_layer, formula = layer_activation_bytes(s, mb)
+    boundary = e * mb.tokens * h // nd
+    logits = e * mb.tokens * vocab // t if mb.last_stage else 0
+    blocks = 2 if mb.entropy else 1
+    chunk = 4 * min(mb.chunk, mb.tokens) * vocab // t * blocks if mb.last_stage else 0
+    final = (16 * h + e * h) * mb.tokens // nd if mb.kernels == "local" else 3 * e * h * mb.tokens // nd
+    final = final if mb.last_stage else 0
+    copies = 2 if mb.kernels == "local" else 1
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    qk_norm = (q + kv) * (8 if mb.kernels == "local" else 2 * e) / t if s.qk_norm else 0
+    if mb.kernels == "local":
+        # The attention's share of a layer and the gradient of its s^2 scores (float32 softmax, model-dtype probs).
+        attn_part = mb.tokens * ((8 * h + e * h) / nd + 4 * e * q / t + (4 + e) * s.heads * mb.seq / t + qk_norm)
+        attn_grad = mb.tokens * (4 + e) * s.heads * mb.seq / t
+    else:
+        attn_part = mb.tokens * (2 * e * h / nd + e * (2 * q + 2 * kv) / t + qk_norm)
+        attn_grad = mb.tokens * e * (q + 2 * kv) / t
+    logit_work = 2 * logits + chunk  # the logits' backward: logits, their gradient, the float32 blocks
+    if mb.recompute == "full":
+        kept = mb.in_flight * mb.layers * boundary
+        work = max(per_layer, attn_part + attn_grad)  # the recomputed layer, then its attention's backward
+        act = kept + final + max(0, int(work) - logit_work)
+        act_formula = (
+            f"{mb.in_flight} in flight x {mb.layers} layers x e T h{'/t' if mb.sp else ''} + one layer recomputed "
+            f"({formula}; or its attention with the scores' gradient) beyond the logits' backward"
+        )
+    else:  # selective recomputes the core attention; with the fused kernel it saves nothing, with the local one s^2
+        if mb.recompute == "selective" and mb.kernels == "local":
+            per_layer -= int(mb.tokens * (4 + e) * s.heads * mb.seq / t)
+        act = mb.in_flight * mb.layers * per_layer + final + max(0, int(attn_grad) - logit_work)
+        act_formula = (
+            f"{mb.in_flight} in flight x {mb.layers} layers x {formula} (+ the attention's gradient beyond the "
+            "logits' backward)"
+        )
+    fwd = layer_forward_bytes(s, mb)
+    lp_logits = copies * logits
+    return {
+        "training": {"activations": act, "logits": 2 * logits, "chunk": chunk},
+        "logprobs": {"activations": max(0, fwd - lp_logits - chunk), "logits": lp_logits, "chunk": chunk},
+        "formula": {"activations": act_formula},  # type: ignore[dict-item]
+    }
 
 
 def _engine_profile_bytes(s: Shapes, tp: int, batched_tokens: int) -> int:
@@ -409,26 +515,30 @@ def _policy_terms(cfg: Any, s: Shapes, group: Group) -> dict[str, int]:  # noqa:
     sp = tp > 1 and (pc.sequence_parallel or s.is_moe)
     vp = padded_vocab(s.vocab, tp)
     tokens = micro_batch_tokens(cfg)
+    kernels = "local" if pc.transformer_engine is False or pc.dtype == "float32" else "te"
     # The heaviest stage: the first keeps pp micro-batches in flight (1F1B), the last holds the logits.
     candidates = []
     for stage in sorted({0, pp - 1}):
         c = rank_counts(s, tp, pp, ep, world, stage, pc.freeze_router)
-        layers = stage_layers(s.layers, pp, stage)
-        in_flight = pp - stage
-        per_layer, layer_formula = layer_activation_bytes(s, tokens, tp, sp, e)
-        boundary = e * tokens * s.hidden // (tp if sp else 1)  # a layer's input
-        if pc.activation_checkpointing == "full":
-            act = in_flight * layers * boundary + per_layer
-            act_formula = f"{in_flight} in flight x {layers} layers x e*T*h{'/t' if sp else ''} + one layer recomputed"
-        else:  # selective recomputes the core attention: with a fused kernel it keeps nothing more than that
-            act = in_flight * layers * per_layer
-            act_formula = f"{in_flight} in flight x {layers} layers x {layer_formula}"
-        last = stage == pp - 1
-        logits = e * tokens * vp // tp if last else 0
-        chunk = 4 * min(pc.logprob_chunk_size, tokens) * vp // tp * 2 if last else 0  # log-softmax + entropy blocks
-        score = c.weights * e + 4 * c.grads + (12 if e == 2 else 8) * c.optimizer + act + 2 * logits + 2 * chunk
-        candidates.append((score, stage, c, act, act_formula, per_layer, logits, chunk))
-    _, stage, c, act, act_formula, per_layer, logits, chunk = max(candidates, key=lambda x: x[0])
+        mb = MicroBatch(
+            tokens=tokens,
+            seq=cfg.generation.max_prompt_tokens + cfg.generation.max_response_tokens,
+            tp=tp,
+            sp=sp,
+            dtype_bytes=e,
+            recompute=pc.activation_checkpointing,
+            chunk=pc.logprob_chunk_size,
+            kernels=kernels,
+            layers=stage_layers(s.layers, pp, stage),
+            in_flight=pp - stage,
+            last_stage=stage == pp - 1,
+        )
+        m = micro_batch_bytes(s, vp, mb)
+        score = c.weights * e + 4 * c.grads + 12 * c.optimizer + sum(m["training"].values())
+        candidates.append((score, stage, c, m))
+    _, stage, c, m = max(candidates, key=lambda x: x[0])
+    act_formula = m["formula"]["activations"]
+    logits, chunk = m["logprobs"]["logits"], m["training"]["chunk"]
     group.note = f"TP {tp} x PP {pp}{f' x EP {ep}' if s.is_moe else ''}, DP {c.dp}; pipeline stage {stage} shown"
     on = ("refit", "logprobs", "training")  # offloaded while the engine generates (colocated); no engine (async)
     group.add(
@@ -458,20 +568,22 @@ def _policy_terms(cfg: Any, s: Shapes, group: Group) -> dict[str, int]:  # noqa:
     )
     group.add(
         "activations",
-        f"{act_formula}; T={tokens} tokens/micro-batch, recompute={pc.activation_checkpointing}, SP={sp}",
-        training=act,
-        logprobs=per_layer,
+        f"{act_formula}; T={tokens} tokens/micro-batch, recompute={pc.activation_checkpointing}, SP={sp}, "
+        f"{kernels} kernels (log-probs: one layer's forward working set beyond the logits)",
+        training=m["training"]["activations"],
+        logprobs=m["logprobs"]["activations"],
     )
     if logits:
         group.add(
             "logits",
-            f"e*T*V/t = {e} x {tokens} x {vp}/{tp} (forward; x2 with their gradient in training)",
+            f"e T V/t = {e} x {tokens} x {vp}/{tp}{' x2 (transposed copy)' if kernels == 'local' else ''}; "
+            "training: with their gradient",
             logprobs=logits,
-            training=2 * logits,
+            training=m["training"]["logits"],
         )
         group.add(
             "log-prob chunk",
-            f"4 B x chunk {min(pc.logprob_chunk_size, tokens)} x V/t, 2 blocks (log-softmax, entropy)",
+            f"4 B x chunk {min(pc.logprob_chunk_size, tokens)} x V/t x 2 blocks (log-softmax, entropy)",
             logprobs=chunk,
             training=chunk,
         )
