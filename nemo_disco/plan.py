@@ -53,6 +53,8 @@ VLLM_DEFAULT_BATCHED_TOKENS = 8192
 MFU = 0.35
 #: Mean response length as a share of generation.max_response_tokens (for time, not memory: memory takes the max).
 MEAN_RESPONSE_SHARE = 0.5
+#: Share of the HBM bandwidth a decode step reaches (weights and KV cache read once per generated token).
+HBM_EFFICIENCY = 0.6
 #: Per-GPU inter-node bandwidth (one 400 Gb/s NIC per GPU).
 NETWORK_BYTES_PER_S = 50e9
 
@@ -656,11 +658,20 @@ def _active_params(s: Shapes) -> int:
     return s.layers * (dense + expert + router) + s.vocab * s.hidden
 
 
-def _step_time(cfg: Any, s: Shapes, gpu: Gpu, engine: dict[str, float]) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Rates:
+    """The assumptions of the step-time estimate (``nemo-disco plan --mfu --mean-response-tokens``)."""
+
+    mfu: float = MFU
+    mean_response_tokens: float | None = None  # None: MEAN_RESPONSE_SHARE x generation.max_response_tokens
+    hbm_efficiency: float = HBM_EFFICIENCY
+
+
+def _step_time(cfg: Any, s: Shapes, gpu: Gpu, engine: dict[str, float], rates: Rates) -> dict[str, Any]:
     """Seconds of a step's generation, refit and training at the stated rates, and the run's GPU-hours."""
     g, a, pc = cfg.generation, cfg.algorithm, cfg.policy
     rollouts = a.prompts_per_step * a.rollouts_per_prompt
-    mean_resp = MEAN_RESPONSE_SHARE * g.max_response_tokens
+    mean_resp = rates.mean_response_tokens or MEAN_RESPONSE_SHARE * g.max_response_tokens
     seq = g.max_prompt_tokens / 2 + mean_resp
     tokens = rollouts * seq
     n_active = _active_params(s)
@@ -669,14 +680,14 @@ def _step_time(cfg: Any, s: Shapes, gpu: Gpu, engine: dict[str, float]) -> dict[
     reference = 2 * n_active if cfg.loss.kl_coef else 0
     train_flops = tokens * (6 * n_active + attn + recompute + 2 * n_active + reference)  # + the old log-prob pass
     trainers = cfg.world_size
-    train_s = train_flops / (trainers * gpu.bf16_flops * MFU)
+    train_s = train_flops / (trainers * gpu.bf16_flops * rates.mfu)
     tg = g.tensor_parallel_size
     engines = (cfg.generation_world_size or cfg.world_size) // tg
     per_engine = math.ceil(rollouts / engines)
     batch = max(1, min(per_engine, VLLM_MAX_NUM_SEQS, int(engine["kv_tokens"] // (g.max_prompt_tokens + mean_resp))))
     rounds = math.ceil(per_engine / batch)
     kv_read = batch * (g.max_prompt_tokens + mean_resp) * engine["kv_per_token"]
-    decode_step_s = (engine["weights_per_gpu"] + kv_read) / gpu.hbm_bytes_per_s
+    decode_step_s = (engine["weights_per_gpu"] + kv_read) / (gpu.hbm_bytes_per_s * rates.hbm_efficiency)
     gen_s = rounds * g.max_response_tokens * decode_step_s
     refit_bytes = 2 * _param_total(s)
     link = gpu.nvlink_bytes_per_s if not a.async_rollouts else NETWORK_BYTES_PER_S
@@ -685,7 +696,8 @@ def _step_time(cfg: Any, s: Shapes, gpu: Gpu, engine: dict[str, float]) -> dict[
     step_s = max(gen_s, train_s) + refit_s if a.async_rollouts else gen_s + refit_s + train_s
     return {
         "assumptions": {
-            "mfu": MFU,
+            "mfu": rates.mfu,
+            "hbm_efficiency": rates.hbm_efficiency,
             "mean_response_tokens": mean_resp,
             "bf16_flops_per_gpu": gpu.bf16_flops,
             "hbm_bytes_per_s": gpu.hbm_bytes_per_s,
@@ -708,7 +720,7 @@ def _step_time(cfg: Any, s: Shapes, gpu: Gpu, engine: dict[str, float]) -> dict[
     }
 
 
-def make_plan(cfg: Any, gpu: str | Gpu = DEFAULT_GPU, shapes: Shapes | None = None) -> Plan:
+def make_plan(cfg: Any, gpu: str | Gpu = DEFAULT_GPU, shapes: Shapes | None = None, rates: Rates = Rates()) -> Plan:
     """The memory plan and step-time estimate of a validated :class:`~nemo_disco.config.RunConfig`.
 
     Raises:
@@ -743,7 +755,7 @@ def make_plan(cfg: Any, gpu: str | Gpu = DEFAULT_GPU, shapes: Shapes | None = No
         group.note += f"; vLLM TP {cfg.generation.tensor_parallel_size} colocated, sleep level {cfg.engine_sleep_level}"
         groups = [group]
     groups = [_drop_empty(g) for g in groups]
-    return Plan(gpu, s, groups, _step_time(cfg, s, gpu, engine), notes)
+    return Plan(gpu, s, groups, _step_time(cfg, s, gpu, engine, rates), notes)
 
 
 def _only(term: Term, phases: tuple[str, ...]) -> Term:
@@ -829,7 +841,8 @@ def render(plan: Plan, recipe: str) -> str:
     st = plan.step
     lines += [
         "",
-        f"step time (bound, MFU {MFU}, mean response {st['assumptions']['mean_response_tokens']:.0f} tokens): "
+        f"step time (estimate: MFU {st['assumptions']['mfu']}, HBM efficiency {st['assumptions']['hbm_efficiency']}, "
+        f"mean response {st['assumptions']['mean_response_tokens']:.0f} tokens): "
         f"generation {st['generation_s']:.0f} s (decode batch {st['decode_batch']} x {st['decode_rounds']} round(s), "
         f"HBM bound) + refit {st['refit_s']:.2f} s ({st['refit_bytes'] / 1e9:.1f} GB) + training {st['train_s']:.0f} s "
         f"({st['train_flops']:.2e} FLOP, {st['active_params'] / 1e9:.2f}B active params) = {st['step_s']:.0f} s",
@@ -846,6 +859,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, help="recipe YAML (recipes/*.yaml)")
     p.add_argument("--gpu", default=DEFAULT_GPU, choices=sorted(GPUS), help="GPU model (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--mfu", type=float, default=MFU, help="model FLOP utilisation of training (default: %(default)s)")
+    p.add_argument(
+        "--mean-response-tokens",
+        type=float,
+        default=None,
+        help=f"mean response length for the time estimate (default: {MEAN_RESPONSE_SHARE} x the cap)",
+    )
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. policy.tensor_parallel_size=2")
 
 
@@ -854,7 +874,7 @@ def command(args: argparse.Namespace) -> int:
     from nemo_disco import config as config_lib
 
     cfg = config_lib.load(args.config, args.overrides)
-    plan = make_plan(cfg, args.gpu)
+    plan = make_plan(cfg, args.gpu, rates=Rates(mfu=args.mfu, mean_response_tokens=args.mean_response_tokens))
     print(json.dumps(plan.to_json(), indent=1) if args.json else render(plan, Path(args.config).name))
     return 0
 

@@ -173,3 +173,14 @@ def test_the_table_names_every_term_with_its_formula_and_the_verdict():
     for term in ("policy weights", "gradient buffers", "optimizer states", "activations", "logits", "vLLM KV cache"):
         assert term in text
     assert "grad_reduce_in_fp32" in text and "fits: NO" in text and "GPU-hours" in text
+
+
+def test_the_docs_table_is_what_the_script_prints_now():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("plan_table", ROOT / "benchmarks" / "plan_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    doc = (ROOT / "docs" / "planning.md").read_text()
+    stale = [line for line in module.rows(plan.DEFAULT_GPU) if line not in doc]
+    assert stale == [], "docs/planning.md is stale: make plan-table, and paste its table"
