@@ -46,13 +46,13 @@ def _train(args: argparse.Namespace) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(config_lib.to_yaml(cfg), end="")
         return 0
-    from nemo_disco import plan
-
-    refused = plan.check_at_startup(cfg, args.gpu)
-    if refused:
-        raise JobError(refused)
     _check_launch(cfg)
     generator_env = _share_cores(cfg)  # before torch loads (OpenMP reads its settings once, as it loads)
+    from nemo_disco import plan
+
+    refused = plan.check_at_startup(cfg, args.gpu)  # the memory plan against this GPU (docs/planning.md)
+    if refused:
+        raise JobError(refused)
     from nemo_disco import files, hooks
 
     files.check_writable(cfg.logging.run_dir, "logging.run_dir", create=False)  # created once the sources load

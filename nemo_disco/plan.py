@@ -892,7 +892,10 @@ def check_at_startup(cfg: Any, gpu: str | None = None) -> str | None:
 
         if not torch.cuda.is_available():
             return None
-        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        from nemo_disco import distributed
+
+        # This process's own GPU (the launcher's local rank): no CUDA context on another rank's device.
+        props = torch.cuda.get_device_properties(distributed.cuda_device_index())
         device: str | Gpu = gpu_of_device(props.total_memory, props.name)
     else:
         device = gpu
