@@ -626,15 +626,16 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train with a recipe (Hydra key=value overrides)")
     t.add_argument("--config", required=True, help="recipe YAML (recipes/*.yaml)")
     t.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    from nemo_disco import plan
+
     t.add_argument(
         "--gpu",
         default=None,
+        choices=sorted(plan.GPUS),
         help="check the memory plan against this GPU model (nemo-disco plan --gpu) instead of the device found",
     )
     t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. loss.tau=1 algorithm.steps=10")
     t.set_defaults(fn=_train)
-
-    from nemo_disco import plan
 
     pn = sub.add_parser("plan", help="per-GPU memory of each phase, step time and GPU-hours of a recipe")
     plan.add_arguments(pn)

@@ -598,6 +598,20 @@ def _policy_terms(cfg: Any, s: Shapes, group: Group) -> dict[str, int]:  # noqa:
     return {"weights": c.weights, "grads": c.grads, "optimizer": opt_elems, "dp": c.dp}
 
 
+def kv_bytes_per_token(s: Shapes, tp: int = 1, dtype_bytes: int = 2) -> int:
+    """Bytes of one token's KV cache on one GPU of a vLLM engine: k and v of every layer, KV heads over TP.
+
+    A KV head is replicated when TP exceeds the KV heads (``max(kv_heads / TP, 1)``).
+    """
+    return 2 * s.layers * max(s.kv_heads // tp, 1) * s.head_dim * dtype_bytes
+
+
+def kv_tokens(budget_bytes: float, s: Shapes, tp: int = 1, dtype_bytes: int = 2, block_size: int = 0) -> int:
+    """Tokens a KV cache of ``budget_bytes`` holds (whole blocks of ``block_size`` tokens when given)."""
+    tokens = int(budget_bytes // kv_bytes_per_token(s, tp, dtype_bytes))
+    return tokens - tokens % block_size if block_size else tokens
+
+
 def _engine_terms(cfg: Any, s: Shapes, gpu: Gpu, group: Group, colocated: bool) -> dict[str, float]:
     """Add the vLLM engine's terms; returns its KV-cache capacity (tokens) and weights per GPU."""
     g = cfg.generation
@@ -609,7 +623,7 @@ def _engine_terms(cfg: Any, s: Shapes, gpu: Gpu, group: Group, colocated: bool) 
     profile = _engine_profile_bytes(s, tg, batched)
     budget = util * gpu.memory_bytes
     kv = max(0.0, budget - weights - profile)
-    kv_per_token = 2 * s.layers * max(s.kv_heads // tg, 1) * s.head_dim * 2  # k and v, bf16, heads over TP
+    kv_per_token = kv_bytes_per_token(s, tg)
     graphs = 0 if g.enforce_eager else CUDA_GRAPH_BYTES
     group.add(
         "vLLM weights",
