@@ -11,15 +11,15 @@ generator GPUs apart) each term is given in bytes with its formula (docs/plannin
   (``nemo_disco.policy.megatron``: ``grad_reduce_in_fp32=True``; the distributed optimizer keeps fp32 master
   weights and both moments for 1 / DP of the parameters, experts over the expert data-parallel group);
 - the activations one micro-batch keeps for the backward (Korthikanti et al. 2022's per-layer accounting,
-  applied to RMSNorm, grouped-query attention with a fused kernel, SwiGLU and routed experts), with the
-  recipe's recomputation, sequence parallelism and pipeline stages in flight;
+  applied to RMSNorm, grouped-query attention, SwiGLU and routed experts, for Transformer Engine's kernels or
+  mcore's local spec), with the recipe's recomputation, sequence parallelism and pipeline stages in flight;
 - the logits of a micro-batch and the float32 blocks of the chunked vocab-parallel log-prob
   (``nemo_disco.policy.logprobs``);
 - the vLLM engine: weights at the generation TP, the KV cache that ``gpu_memory_utilization`` leaves, the CUDA
   graph pool and what each sleep level keeps; what offload keeps of the policy while the engine runs.
 
-The step time is a bound from stated rates (:data:`MFU`, the GPU's peak bf16 FLOP/s, HBM and link bandwidth), not
-a measurement.
+The step time is an estimate from stated rates (:data:`MFU`, the GPU's peak bf16 FLOP/s, :data:`HBM_EFFICIENCY` of
+its HBM bandwidth, the link's bandwidth), not a measurement. ``train`` runs :func:`check_at_startup` on a GPU.
 """
 
 from __future__ import annotations

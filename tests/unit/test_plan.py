@@ -184,3 +184,53 @@ def test_the_docs_table_is_what_the_script_prints_now():
     doc = (ROOT / "docs" / "planning.md").read_text()
     stale = [line for line in module.rows(plan.DEFAULT_GPU) if line not in doc]
     assert stale == [], "docs/planning.md is stale: make plan-table, and paste its table"
+
+
+def test_the_torch_free_copies_agree_with_the_package():
+    from nemo_disco import tiny, weights
+
+    assert plan.TINY_VOCAB == tiny.VOCAB_SIZE and plan.VOCAB_MULTIPLE == weights.DEFAULT_VOCAB_MULTIPLE
+    for vocab in (128, 151_936, 152_064, 128_256, 100_001):
+        for tp in (1, 2, 3, 4, 8):
+            assert plan.padded_vocab(vocab, tp) == weights.padded_vocab_size(vocab, tp)
+    for path in plan.MODEL_CONFIGS.glob("*.json"):  # every shipped config parses as the model builder reads it
+        config = json.loads(path.read_text())
+        spec, shapes = weights.ModelSpec.from_hf_config(config, str(path)), plan.Shapes.from_hf_config(config, "x")
+        assert (spec.num_layers, spec.hidden_size, spec.num_query_groups, spec.head_dim, spec.vocab_size) == (
+            shapes.layers,
+            shapes.hidden,
+            shapes.kv_heads,
+            shapes.head_dim,
+            shapes.vocab,
+        )
+        assert (spec.tie_word_embeddings, spec.qkv_bias, spec.qk_layernorm, spec.num_experts) == (
+            shapes.tied,
+            shapes.qkv_bias,
+            shapes.qk_norm,
+            shapes.experts,
+        )
+
+
+#: Parameter counts the model cards and the hub state (the 8B Llamas' and Qwen2.5-7B's to the unit).
+PUBLISHED_PARAMS = {
+    "deepseek-ai--DeepSeek-R1-Distill-Qwen-1.5B": 1.78e9,
+    "deepseek-ai--DeepSeek-R1-Distill-Qwen-7B": 7_615_616_512,
+    "Qwen--Qwen2.5-Math-7B": 7_615_616_512,
+    "deepseek-ai--DeepSeek-R1-Distill-Llama-8B": 8_030_261_248,
+    "meta-llama--Llama-3.1-8B-Instruct": 8_030_261_248,
+    "Qwen--Qwen3-4B": 4.02e9,
+    "Qwen--Qwen3-8B": 8.19e9,
+    "Qwen--Qwen3-30B-A3B": 30.5e9,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))
+def test_shipped_configs_give_the_published_parameter_counts(name):
+    shapes = plan.Shapes.from_hf_config(json.loads((plan.MODEL_CONFIGS / f"{name}.json").read_text()), name)
+    assert abs(plan._param_total(shapes) / PUBLISHED_PARAMS[name] - 1) < 0.003
+
+
+def test_qwen3_moe_activates_about_3_billion_parameters_per_token():
+    shapes = plan.Shapes.from_hf_config(json.loads((plan.MODEL_CONFIGS / "Qwen--Qwen3-30B-A3B.json").read_text()), "x")
+    # The model card's 3.3B activated includes the input embedding (151,936 x 2,048 = 0.31B), which costs no FLOPs.
+    assert abs((plan._active_params(shapes) + 151_936 * 2_048) / 3.3e9 - 1) < 0.02
