@@ -307,9 +307,15 @@ def _bytes_of(dtype: str) -> int:
 
 
 def micro_batch_tokens(cfg: Any) -> int:
-    """Tokens of the largest micro-batch: the budget, or one full-length row when a row exceeds it."""
-    g = cfg.generation
-    return max(cfg.policy.microbatch_tokens, g.max_prompt_tokens + g.max_response_tokens)
+    """Tokens of the largest micro-batch.
+
+    The budget (``policy.microbatch_tokens``), or one full-length row when a row exceeds it, and at most the
+    full-length rows one data-parallel rank trains in an update (a mini-batch's rollouts / DP).
+    """
+    g, a = cfg.generation, cfg.algorithm
+    row = g.max_prompt_tokens + g.max_response_tokens
+    rows = max(1, a.minibatch_prompts * a.rollouts_per_prompt // cfg.data_parallel_size)
+    return min(max(cfg.policy.microbatch_tokens, row), rows * row)
 
 
 @dataclass(frozen=True)
