@@ -514,8 +514,11 @@ class Plan:
         }
 
 
-def _policy_terms(cfg: Any, s: Shapes, group: Group) -> dict[str, int]:  # noqa: PLR0915
-    """Add the trained policy's terms (weights, gradients, optimizer, activations, logits); its per-rank counts."""
+def _policy_terms(cfg: Any, s: Shapes, group: Group, resident: bool = False) -> dict[str, int]:  # noqa: PLR0915
+    """Add the trained policy's terms (weights, gradients, optimizer, activations, logits); its per-rank counts.
+
+    ``resident``: the policy stays on the GPU while the generator runs (the transformers generator: no offload).
+    """
     pc = cfg.policy
     tp, pp, ep = pc.tensor_parallel_size, pc.pipeline_parallel_size, pc.expert_parallel_size if s.is_moe else 1
     world = cfg.world_size
@@ -548,14 +551,15 @@ def _policy_terms(cfg: Any, s: Shapes, group: Group) -> dict[str, int]:  # noqa:
     act_formula = m["formula"]["activations"]
     logits, chunk = m["logprobs"]["logits"], m["training"]["chunk"]
     group.note = f"TP {tp} x PP {pp}{f' x EP {ep}' if s.is_moe else ''}, DP {c.dp}; pipeline stage {stage} shown"
-    on = ("refit", "logprobs", "training")  # offloaded while the engine generates (colocated); no engine (async)
+    # Offloaded while a colocated vLLM engine generates; an asynchronous trainer has no engine.
+    on = ("generation", "refit", "logprobs", "training") if resident else ("refit", "logprobs", "training")
     group.add(
         "policy weights",
         f"{e} B x {c.weights:,} params on the rank (layers/PP, matrices/TP, {'experts/EP, ' if s.is_moe else ''}"
         f"vocab {vp}/TP)",
         **dict.fromkeys(on, c.weights * e),
     )
-    keep = ("logprobs", "training")
+    keep = ("generation", "refit", "logprobs", "training") if resident else ("logprobs", "training")
     group.add(
         "gradient buffers",
         f"4 B (fp32, grad_reduce_in_fp32) x {c.grads:,} trainable params",
@@ -664,6 +668,26 @@ def _engine_terms(cfg: Any, s: Shapes, gpu: Gpu, group: Group, colocated: bool) 
     return {"kv_tokens": kv // kv_per_token, "weights_per_gpu": weights, "kv_per_token": kv_per_token}
 
 
+def _hf_generator_terms(cfg: Any, s: Shapes, group: Group) -> dict[str, float]:
+    """Add the transformers generator's terms (its own copy of the weights, the KV cache of its batch)."""
+    g, e = cfg.generation, _bytes_of(cfg.policy.dtype)
+    weights = e * _param_total(s)
+    rows, length = g.hf_batch_size, g.max_prompt_tokens + g.max_response_tokens
+    per_token = kv_bytes_per_token(s, 1, e)
+    # Not colocated (rollouts.local.is_colocated: vLLM only): it never sleeps, its weights stay on the GPU.
+    group.add(
+        "generator weights",
+        f"{e} B x {_param_total(s):,} params (transformers; never put to sleep)",
+        **dict.fromkeys(PHASES, weights),
+    )
+    group.add(
+        "generator KV cache",
+        f"generation.hf_batch_size {rows} x {length} tokens x {per_token:,} B",
+        generation=rows * length * per_token,
+    )
+    return {"kv_tokens": rows * length, "weights_per_gpu": weights, "kv_per_token": per_token, "max_batch": rows}
+
+
 def _param_total(s: Shapes) -> int:
     """Parameters of the whole model (unpadded vocabulary), as a Hugging Face checkpoint holds them."""
     dense, expert, router = layer_params(s, 1, 1)
@@ -704,7 +728,8 @@ def _step_time(cfg: Any, s: Shapes, gpu: Gpu, engine: dict[str, float], rates: R
     tg = g.tensor_parallel_size
     engines = (cfg.generation_world_size or cfg.world_size) // tg
     per_engine = math.ceil(rollouts / engines)
-    batch = max(1, min(per_engine, VLLM_MAX_NUM_SEQS, int(engine["kv_tokens"] // (g.max_prompt_tokens + mean_resp))))
+    most = engine.get("max_batch", VLLM_MAX_NUM_SEQS)
+    batch = max(1, min(per_engine, most, int(engine["kv_tokens"] // (g.max_prompt_tokens + mean_resp))))
     rounds = math.ceil(per_engine / batch)
     kv_read = batch * (g.max_prompt_tokens + mean_resp) * engine["kv_per_token"]
     decode_step_s = (engine["weights_per_gpu"] + kv_read) / (gpu.hbm_bytes_per_s * rates.hbm_efficiency)
@@ -753,7 +778,10 @@ def make_plan(cfg: Any, gpu: str | Gpu = DEFAULT_GPU, shapes: Shapes | None = No
     s = shapes or model_shapes(cfg)
     notes = []
     if cfg.policy.backend != "megatron":
-        notes.append("policy.backend=hf: planned as the Megatron layout (transformers keeps no fp32 gradient buffer)")
+        notes.append(
+            "policy.backend=hf: planned as the Megatron layout (transformers keeps no fp32 gradient buffer); train "
+            "does not check it"
+        )
     if cfg.algorithm.async_rollouts:
         trainer = Group("trainer", cfg.world_size, "")
         _policy_terms(cfg, s, trainer)
@@ -769,10 +797,17 @@ def make_plan(cfg: Any, gpu: str | Gpu = DEFAULT_GPU, shapes: Shapes | None = No
         groups = [trainer, generator]
     else:
         group = Group("gpu", cfg.world_size, "")
-        _policy_terms(cfg, s, group)
-        engine = _engine_terms(cfg, s, gpu, group, colocated=True)
+        vllm = cfg.generation.backend == "vllm"
+        _policy_terms(cfg, s, group, resident=not vllm)
+        if vllm:
+            engine = _engine_terms(cfg, s, gpu, group, colocated=True)
+            group.note += (
+                f"; vLLM TP {cfg.generation.tensor_parallel_size} colocated, sleep level {cfg.engine_sleep_level}"
+            )
+        else:
+            engine = _hf_generator_terms(cfg, s, group)
+            group.note += "; transformers generator beside the resident policy"
         group.add("runtime", "CUDA context, cuBLAS, NCCL (assumed)", **dict.fromkeys(PHASES, RUNTIME_BYTES))
-        group.note += f"; vLLM TP {cfg.generation.tensor_parallel_size} colocated, sleep level {cfg.engine_sleep_level}"
         groups = [group]
     groups = [_drop_empty(g) for g in groups]
     return Plan(gpu, s, groups, _step_time(cfg, s, gpu, engine, rates), notes)
@@ -903,9 +938,10 @@ def check_at_startup(cfg: Any, gpu: str | None = None) -> str | None:
     """The start-up check of ``train``: the refusal line when the plan's peak exceeds the GPU's memory, else None.
 
     ``gpu``: a GPU model to check against (``train --gpu``); None: the device found (no check without CUDA).
-    Skipped (None) with ``policy.memory_check=false`` or when the model's config.json is nowhere to be found.
+    Skipped (None) with ``policy.memory_check=false``, for ``policy.backend=hf`` (the plan is the Megatron layout's)
+    or when the model's config.json is nowhere to be found.
     """
-    if not cfg.policy.memory_check:
+    if not cfg.policy.memory_check or cfg.policy.backend != "megatron":  # the plan is the Megatron layout's
         return None
     if gpu is None:
         import torch

@@ -234,3 +234,17 @@ def test_qwen3_moe_activates_about_3_billion_parameters_per_token():
     shapes = plan.Shapes.from_hf_config(json.loads((plan.MODEL_CONFIGS / "Qwen--Qwen3-30B-A3B.json").read_text()), "x")
     # The model card's 3.3B activated includes the input embedding (151,936 x 2,048 = 0.31B), which costs no FLOPs.
     assert abs((plan._active_params(shapes) + 151_936 * 2_048) / 3.3e9 - 1) < 0.02
+
+
+def test_the_transformers_generator_keeps_the_policy_and_its_own_copy_resident():
+    cfg = config.load(ROOT / "recipes" / "disco.yaml", ["generation.backend=hf", "generation.hf_batch_size=16"])
+    terms = {t.name: t.phases for t in plan.make_plan(cfg).groups[0].terms}
+    assert "vLLM KV cache" not in terms
+    assert set(terms["gradient buffers"]) == set(plan.PHASES) == set(terms["generator weights"])  # nothing offloaded
+    # 16 rows x (1,024 + 8,192) tokens x 2 x 28 layers x 2 KV heads x 128 x 2 B = 16 x 9,216 x 28,672 B.
+    assert terms["generator KV cache"] == {"generation": 16 * 9_216 * 28_672}
+
+
+def test_the_start_up_check_leaves_the_transformers_policy_alone():
+    tp1 = ["policy.tensor_parallel_size=1"]
+    assert plan.check_at_startup(config.load(R1_7B, [*tp1, "policy.backend=hf"]), "a100-40gb") is None
