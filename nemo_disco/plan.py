@@ -668,7 +668,7 @@ def _engine_terms(cfg: Any, s: Shapes, gpu: Gpu, group: Group, colocated: bool) 
     return {"kv_tokens": kv // kv_per_token, "weights_per_gpu": weights, "kv_per_token": kv_per_token}
 
 
-def _hf_generator_terms(cfg: Any, s: Shapes, group: Group) -> dict[str, float]:
+def _hf_generator_terms(cfg: Any, s: Shapes, group: Group, phases: tuple[str, ...] = PHASES) -> dict[str, float]:
     """Add the transformers generator's terms (its own copy of the weights, the KV cache of its batch)."""
     g, e = cfg.generation, _bytes_of(cfg.policy.dtype)
     weights = e * _param_total(s)
@@ -678,7 +678,7 @@ def _hf_generator_terms(cfg: Any, s: Shapes, group: Group) -> dict[str, float]:
     group.add(
         "generator weights",
         f"{e} B x {_param_total(s):,} params (transformers; never put to sleep)",
-        **dict.fromkeys(PHASES, weights),
+        **dict.fromkeys(phases, weights),
     )
     group.add(
         "generator KV cache",
@@ -790,9 +790,14 @@ def make_plan(cfg: Any, gpu: str | Gpu = DEFAULT_GPU, shapes: Shapes | None = No
         generator = Group(
             "generator",
             cfg.generation_world_size,
-            f"vLLM TP {cfg.generation.tensor_parallel_size}, sleep level {cfg.engine_sleep_level}",
+            f"vLLM TP {cfg.generation.tensor_parallel_size}, sleep level {cfg.engine_sleep_level}"
+            if cfg.generation.backend == "vllm"
+            else "transformers generator",
         )
-        engine = _engine_terms(cfg, s, gpu, generator, colocated=False)
+        if cfg.generation.backend == "vllm":
+            engine = _engine_terms(cfg, s, gpu, generator, colocated=False)
+        else:
+            engine = _hf_generator_terms(cfg, s, generator, phases=("generation", "refit"))
         generator.add("runtime", "CUDA context, NCCL (assumed)", generation=RUNTIME_BYTES, refit=RUNTIME_BYTES)
         groups = [trainer, generator]
     else:
