@@ -7,7 +7,7 @@ VLLM_VENV := .venv-vllm
 MCORE_LATEST_VENV := .venv-mcore-latest
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-vllm setup-mcore-latest demo test test-faults test-vllm test-mcore-latest gpu-check-smoke \
+.PHONY: setup setup-vllm setup-mcore-latest demo test test-faults test-vllm test-mcore-latest gpu-check-smoke plan-table \
 	setup-gpu-rehearsal gpu-check-rehearsal lint bench clean
 
 setup: $(STAMP)
@@ -58,6 +58,9 @@ setup-gpu-rehearsal: setup-mcore-latest
 
 gpu-check-rehearsal: setup-gpu-rehearsal
 	bash scripts/gpu-check-rehearsal.sh
+
+plan-table: setup
+	$(BIN)/python benchmarks/plan_table.py
 
 lint: setup
 	$(BIN)/ruff check .

@@ -28,7 +28,8 @@ Stages (each in a process of its own, so one failure leaves the others standing;
 - ``offload_checkpoint``: bf16 (TE where it imports), with and without the distributed optimizer: three offload
   / onload rounds (allocated memory after freeing gradients + optimizer state, after the weights, after onload;
   log-probs bitwise equal after each onload), a dist-checkpoint round trip, the forward-only reference policy's
-  memory, and a Transformer Engine <-> local checkpoint load when TE imports.
+  memory, and a Transformer Engine <-> local checkpoint load when TE imports; the memory plan's bytes of each
+  (``nemo_disco.plan``) beside the measured ones.
 - ``moe``: a small Qwen3-MoE (every layer sparse, top-2) built, ``logprobs``, one ``train_minibatch`` and
   ``export_weights()``, in bf16 (TE where it imports) and in fp32 (local): every GPTModel parameter and buffer on
   ``policy.device`` (mcore builds the router on the host), log-probs within the dtype's tolerance of
@@ -36,7 +37,8 @@ Stages (each in a process of its own, so one failure leaves the others standing;
 - ``trainer``: ``algorithm.train_step`` with the Megatron policy (bf16, TE where it imports) and the
   transformers generator on a random model of DeepSeek-R1-Distill-Qwen-1.5B's shape (fixed-length rollouts):
   step time and phases, completion tokens/s, training-pass MFU against ``--peak-tflops`` (790 bf16 on an H200,
-  measured), decode tokens/s against the HBM bound (``--hbm-tbps``, 4.3 on an H200), peak memory, mismatch metrics.
+  measured), decode tokens/s against the HBM bound (``--hbm-tbps``, 4.3 on an H200), peak memory beside the memory
+  plan's peak of the trained policy, mismatch metrics.
 - ``trl``: TRL's GRPOTrainer on the same model, prompts, sizes and lengths (bf16, transformers generate), for
   the ratio that ``summary.json`` reports next to ``trainer``.
 
@@ -707,6 +709,26 @@ def _offload_rounds(policy: Any, batch: Any, rounds: int = 3) -> dict[str, Any]:
     return {"rounds": readings, "logprobs_bitwise_equal_after_onload": equal}
 
 
+def planned_policy_bytes(model_dir: Path, dtype_bytes: int = 2) -> dict[str, int]:
+    """The memory plan's bytes of a trained policy on one GPU (TP 1, DP 1; ``nemo_disco.plan``, docs/planning.md).
+
+    Beside the measured allocations: weights, fp32 gradient buffers and Adam state (with a float32 master copy in
+    bf16), what an optimizer offload and a weights offload should free.
+    """
+    from nemo_disco import plan
+
+    shapes = plan.Shapes.from_hf_config(json.loads((model_dir / "config.json").read_text()), str(model_dir))
+    c = plan.rank_counts(shapes, tp=1, pp=1, ep=1, world=1, stage=0)
+    weights, grads = dtype_bytes * c.weights, 4 * c.grads
+    optimizer = (12 if dtype_bytes == 2 else 8) * c.optimizer
+    return {
+        "policy_bytes": weights + grads + optimizer,
+        "freed_by_optimizer_offload": grads + optimizer,
+        "freed_by_weights_offload": weights,
+        "reference_policy_bytes": weights,
+    }
+
+
 def stage_offload_checkpoint(args: argparse.Namespace) -> dict[str, Any]:
     torch = _torch()
     from nemo_disco.policy.megatron import MegatronPolicy
@@ -721,7 +743,9 @@ def stage_offload_checkpoint(args: argparse.Namespace) -> dict[str, Any]:
         "transformer_engine_why": te_why,
         "pass_rule": "per optimizer layout: on a GPU each offload phase frees memory; log-probs bitwise equal after "
         "every onload and after a checkpoint round trip; the restored policy counts 1 update and its next update's "
-        "grad norm matches the original's (rel 1e-3). te_cross_spec is reported, not required",
+        "grad norm matches the original's (rel 1e-3). te_cross_spec is reported, not required; plan (the memory "
+        "plan's bytes beside the measured ones) is reported, not required",
+        "plan": planned_policy_bytes(model_dir),
     }
     ok = True
     for dist_opt in (True, False):
@@ -775,6 +799,7 @@ def stage_offload_checkpoint(args: argparse.Namespace) -> dict[str, Any]:
     )
     res["reference_policy"] = {
         "bytes": None if before is None else _allocated() - before,
+        "planned_bytes": res["plan"]["reference_policy_bytes"],
         **_offload_rounds(ref_policy, batch, rounds=1),
     }
     del ref_policy
@@ -947,11 +972,22 @@ def stage_trainer(args: argparse.Namespace) -> dict[str, Any]:
         else "skipped (one-pass update: pi_old from the training forward)",
         "decode_vs_measured_copy": decode_bytes / generate_s / (measured["copy_tbps"] * 1e12),
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if _cuda() else None,
+        # The memory plan of this run's trained policy (the transformers generator holds its own copy besides).
+        "planned_policy_peak_gib": _planned_training_peak(cfg) / 2**30,
         "mismatch": {k: v for k, v in metrics.items() if k.startswith("mismatch/")},
         "finite": all(math.isfinite(v) for m in out["metrics"] for v in m.values()),
     }
     res["status"] = "ok" if res["finite"] else "failed"
     return res
+
+
+def _planned_training_peak(cfg: Any) -> int:
+    """The memory plan's peak of the trained policy alone (its log-prob and training phases, no engine terms)."""
+    from nemo_disco import plan
+
+    group = plan.make_plan(cfg).groups[0]
+    policy = ("policy weights", "gradient buffers", "optimizer states", "activations", "logits", "log-prob chunk")
+    return max(sum(t.phases.get(p, 0) for t in group.terms if t.name in policy) for p in ("logprobs", "training"))
 
 
 TRL_NEEDS = ("trl", "datasets", "accelerate")  # what bench_e2e_trl.run_trl imports

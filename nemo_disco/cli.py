@@ -1,4 +1,4 @@
-"""``nemo-disco train | eval | compare | data prepare | convert | plot``.
+"""``nemo-disco train | plan | eval | compare | data prepare | convert | plot``.
 
 Bad input (a recipe key, a file, a row, a model or data source that cannot be loaded) ends with one line on
 stderr and exit code 2, never a traceback.
@@ -57,6 +57,11 @@ def _train(args: argparse.Namespace) -> int:
         cfg = _with_loss(cfg, args)
     except config_lib.ConfigError as err:
         raise JobError(str(err)) from None
+    from nemo_disco import plan
+
+    refused = plan.check_at_startup(cfg, args.gpu)  # the memory plan against this GPU (docs/planning.md)
+    if refused:
+        raise JobError(refused)
     from nemo_disco import files, hooks
 
     files.check_writable(cfg.logging.run_dir, "logging.run_dir", create=False)  # created once the sources load
@@ -630,8 +635,20 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train with a recipe (Hydra key=value overrides)")
     t.add_argument("--config", required=True, help="recipe YAML (recipes/*.yaml)")
     t.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    from nemo_disco import plan
+
+    t.add_argument(
+        "--gpu",
+        default=None,
+        choices=sorted(plan.GPUS),
+        help="check the memory plan against this GPU model (nemo-disco plan --gpu) instead of the device found",
+    )
     t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. loss.tau=1 algorithm.steps=10")
     t.set_defaults(fn=_train)
+
+    pn = sub.add_parser("plan", help="per-GPU memory of each phase, step time and GPU-hours of a recipe")
+    plan.add_arguments(pn)
+    pn.set_defaults(fn=plan.command)
 
     e = sub.add_parser(
         "eval",

@@ -134,6 +134,9 @@ class PolicyConfig(_Section):
     # attention and runs fp32 GEMMs in TF32); true = require it; false = the local spec (short sequences only:
     # its attention is quadratic in memory).
     transformer_engine: bool | Literal["auto"] = "auto"
+    # `train` on a GPU first checks the memory plan (nemo_disco.plan): a layout whose peak exceeds the device's
+    # memory stops at once, naming the largest term and a remedy; false skips the check.
+    memory_check: bool = True
 
     @field_validator("activation_checkpointing", mode="before")
     @classmethod

@@ -124,6 +124,11 @@ def test_cpu_reproducible_figures(run):
     for key in ("distributed_optimizer_true", "distributed_optimizer_false"):
         r = s["offload_checkpoint"][key]
         assert r["logprobs_bitwise_equal_after_onload"] and r["checkpoint_logprobs_equal"]
+    # The memory plan's bytes beside the measured ones (those are None on the CPU): positive, weights freed last.
+    plan = s["offload_checkpoint"]["plan"]
+    assert plan["policy_bytes"] == plan["freed_by_optimizer_offload"] + plan["freed_by_weights_offload"] > 0
+    assert s["offload_checkpoint"]["reference_policy"]["planned_bytes"] == plan["freed_by_weights_offload"]
+    assert s["trainer"]["planned_policy_peak_gib"] > 0
     assert s["trainer"]["finite"] and s["trainer"]["completion_tokens_per_step"] == 4 * 4 * 8
     # One update per step is a one-pass update: no log-prob pass ran, so it has no MFU.
     assert s["trainer"]["logprob_pass_mfu"] is None and s["trainer"]["logprob_pass"].startswith("skipped")

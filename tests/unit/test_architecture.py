@@ -13,7 +13,7 @@ LAYERS = {
     **dict.fromkeys(["config", "parts", "weights", "watchdog"], 1),
     **dict.fromkeys(["data", "models", "policy", "generation", "checkpoint", "update"], 2),
     "rollouts": 3,
-    **dict.fromkeys(["algorithm", "evaluation", "convert", "prepare", "tiny"], 4),
+    **dict.fromkeys(["algorithm", "evaluation", "convert", "prepare", "tiny", "plan"], 4),
     "cli": 5,
     "hooks": 0,
 }
