@@ -599,7 +599,7 @@ def _policy_terms(cfg: Any, s: Shapes, group: Group, resident: bool = False) -> 
             logprobs=chunk,
             training=chunk,
         )
-    if cfg.loss.kl_coef and cfg.loss.name in ("grpo", "grpo_rw", "dr_grpo", "dapo", "grpo_er", "gpg"):
+    if _needs_reference(cfg):
         group.add(
             "reference weights",
             f"{e} B x {c.weights:,} (forward-only copy, on the GPU for its pass)",
@@ -721,7 +721,7 @@ def _step_time(cfg: Any, s: Shapes, gpu: Gpu, engine: dict[str, float], rates: R
     n_active = _active_params(s)
     attn = 6 * 2 * s.layers * s.heads * s.head_dim * seq / 2  # QK^T and AV, causal half, fwd + bwd
     recompute = 2 * n_active if pc.activation_checkpointing == "full" else 0
-    reference = 2 * n_active if cfg.loss.kl_coef else 0
+    reference = 2 * n_active if _needs_reference(cfg) else 0
     train_flops = tokens * (6 * n_active + attn + recompute + 2 * n_active + reference)  # + the old log-prob pass
     trainers = cfg.world_size
     train_s = train_flops / (trainers * gpu.bf16_flops * rates.mfu)
@@ -927,6 +927,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"mean response length for the time estimate (default: {MEAN_RESPONSE_SHARE} x the cap)",
     )
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. policy.tensor_parallel_size=2")
+
+
+def _needs_reference(cfg: Any) -> bool:
+    """Whether the run's loss needs the reference policy (the GRPO family with ``kl_coef`` > 0), as the loss says.
+
+    The losses import torch, which this module does not need otherwise: imported here, when a plan is made.
+    """
+    from nemo_disco import parts
+
+    return parts.loss_of(cfg).needs_reference
 
 
 def command(args: argparse.Namespace) -> int:

@@ -248,3 +248,18 @@ def test_the_transformers_generator_keeps_the_policy_and_its_own_copy_resident()
 def test_the_start_up_check_leaves_the_transformers_policy_alone():
     tp1 = ["policy.tensor_parallel_size=1"]
     assert plan.check_at_startup(config.load(R1_7B, [*tp1, "policy.backend=hf"]), "a100-40gb") is None
+
+
+@pytest.mark.parametrize(
+    ("recipe", "overrides", "reference"),
+    [
+        ("trpa-r1qwen1.5b-1n8g-8k.yaml", [], True),  # TRPA's preference term is a log-ratio to the reference
+        ("grpo-r1qwen1.5b-1n8g-8k.yaml", ["loss.kl_coef=0.001"], True),
+        ("grpo-r1qwen1.5b-1n8g-8k.yaml", ["loss.kl_coef=0"], False),
+        ("disco-logl-r1qwen1.5b-1n8g-8k.yaml", [], False),
+    ],
+)
+def test_the_reference_policy_is_planned_where_the_loss_says_it_needs_one(recipe, overrides, reference):
+    # The loss decides (its needs_reference), not a list of names in the plan: TRPA was left out by such a list.
+    p = plan.make_plan(config.load(ROOT / "recipes" / recipe, overrides), "h100-80gb")
+    assert ("reference weights" in {t.name for t in p.groups[0].terms}) is reference
