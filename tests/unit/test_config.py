@@ -146,6 +146,38 @@ def test_unknown_key_is_named_in_the_inherited_recipe_that_sets_it(tmp_path):
     assert "\n" not in message
 
 
+def test_a_wrong_value_is_named_with_the_file_and_line_that_set_it(tmp_path):
+    (tmp_path / "mid.yaml").write_text("defaults:\n  - disco\n  - _self_\ngeneration:\n  top_p: 1.5\n")
+    leaf = tmp_path / "leaf.yaml"
+    leaf.write_text("defaults:\n  - mid\n  - _self_\nalgorithm:\n  steps: 3\n")
+    with pytest.raises(ConfigError) as err:
+        config.load(leaf)
+    assert str(err.value) == f"{tmp_path / 'mid.yaml'}:5: generation.top_p=1.5: Input should be less than or equal to 1"
+    # Set by an override: the override is what is named (no file).
+    with pytest.raises(ConfigError, match=r"^generation.top_p=2: Input should be less than or equal to 1$"):
+        config.load(leaf, ["generation.top_p=2"])
+
+
+def test_an_evaluation_composes_like_a_recipe_and_takes_a_runs_prompt_and_lengths(tmp_path):
+    """Schema defaults < eval recipe < the run's saved values < the command line (overrides and flags)."""
+    run_cfg = config.load(EXEMPLAR, ["data.prompt_template='Q {problem}'", "generation.max_response_tokens=64"])
+    config.save(run_cfg, tmp_path / "config.yaml")
+    values = config.run_values(tmp_path / "config.yaml")
+    assert set(values) == set(config.RUN_KEYS) and values["generation.max_response_tokens"] == 64
+    recipe = tmp_path / "e.yaml"
+    recipe.write_text("generation:\n  max_response_tokens: 100\n  max_prompt_tokens: 50\n  samples: 3\n")
+    cfg = config.load_eval(
+        recipe, ["generation.max_prompt_tokens=7"], run=values, flags={"generation.seed": ("--seed 4", 4)}
+    )
+    assert cfg.data.prompt_template == "Q {problem}" and cfg.generation.max_response_tokens == 64  # the run's
+    assert (cfg.generation.max_prompt_tokens, cfg.generation.seed, cfg.generation.samples) == (7, 4, 3)
+    assert cfg.generation.top_p == 0.95 and cfg.reward == config.GradingConfig()  # the schema's
+    with pytest.raises(ConfigError, match=r"^model=m and run=r: evaluate one"):
+        config.load_eval(None, ["model=m", "run=r"])
+    with pytest.raises(ConfigError, match=r"^checkpoint=step_2 needs run"):
+        config.load_eval(None, ["checkpoint=step_2"])
+
+
 def test_a_recipe_outside_recipes_inherits_the_shipped_ones(tmp_path):
     """``defaults: [disco]`` in any folder: the shipped disco.yaml, unless the recipe's folder has its own."""
     mine = tmp_path / "exp" / "my.yaml"
