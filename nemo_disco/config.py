@@ -4,10 +4,12 @@ A recipe is a YAML file that may start with a Hydra ``defaults:`` list (``[disco
 other recipes, looked for in the recipe's own folder, then among the shipped recipes (:data:`SHIPPED_RECIPES`),
 so that ``~/exp/my.yaml`` can inherit ``disco``; it is composed with Hydra, ``key=value`` overrides are applied,
 and the result is validated ONCE into a frozen :class:`RunConfig`. Call sites read
-``cfg.loss.beta``, never ``cfg.get("beta", 1e3)``.
+``cfg.loss.beta``, never ``cfg.get("beta", 1e3)``. An evaluation is configured the same way (:class:`EvalConfig`,
+:func:`load_eval`; recipes in ``recipes/eval/``): its sampling, prompt and grading keys are training's fields, their
+ranges and, unless the evaluation protocol differs, their defaults.
 
 Validation failures raise :class:`ConfigError` whose message is one line naming the full key path
-and the offending value; the CLI prints it and exits with code 2.
+and the offending value (and the recipe file and line that set it); the CLI prints it and exits with code 2.
 """
 
 from __future__ import annotations

@@ -69,8 +69,8 @@ def test_a_demo_checkpoint_converts_and_evaluates(run, tmp_path):
         f"nemo-disco convert: error: {hf} is not empty: pass --overwrite to replace it, or choose another --out"
     )
     assert _cli("convert", "--checkpoint", str(step), "--out", str(hf), "--overwrite").returncode == 0
-    # The README's command for the demo's model (its task, its prompt format), on a few problems, plus one
-    # shipped benchmark (the list written with a space after the comma).
+    # The demo's evaluation settings (recipes/eval/demo.yaml) as flags, on a few problems, plus one shipped benchmark
+    # (the list written with a space after the comma).
     out = tmp_path / "eval"
     proc = _cli("eval", "--model", str(hf), "--backend", "hf", "--benchmarks", "synthetic:arithmetic-heldout, aime",
                 "--prompt-template", "{problem}=", "--no-chat-template", "--samples", "2", "--temperature", "1.0",

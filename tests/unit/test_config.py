@@ -1,3 +1,4 @@
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -147,15 +148,17 @@ def test_unknown_key_is_named_in_the_inherited_recipe_that_sets_it(tmp_path):
 
 
 def test_a_wrong_value_is_named_with_the_file_and_line_that_set_it(tmp_path):
-    (tmp_path / "mid.yaml").write_text("defaults:\n  - disco\n  - _self_\ngeneration:\n  top_p: 1.5\n")
-    leaf = tmp_path / "leaf.yaml"
-    leaf.write_text("defaults:\n  - mid\n  - _self_\nalgorithm:\n  steps: 3\n")
-    with pytest.raises(ConfigError) as err:
-        config.load(leaf)
-    assert str(err.value) == f"{tmp_path / 'mid.yaml'}:5: generation.top_p=1.5: Input should be less than or equal to 1"
-    # Set by an override: the override is what is named (no file).
+    """As an unknown key is: the recipe (here one a recipe inherits) and the line; an override: the override."""
+    for name, text in [
+        ("mid", "defaults: [disco, _self_]\ngeneration:\n  top_p: 1.5\n"),
+        ("leaf", "defaults: [mid]\n"),
+    ]:
+        (tmp_path / f"{name}.yaml").write_text(text)
+    message = "generation.top_p=1.5: Input should be less than or equal to 1"
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(tmp_path / 'mid.yaml'))}:3: {re.escape(message)}$"):
+        config.load(tmp_path / "leaf.yaml")
     with pytest.raises(ConfigError, match=r"^generation.top_p=2: Input should be less than or equal to 1$"):
-        config.load(leaf, ["generation.top_p=2"])
+        config.load(tmp_path / "leaf.yaml", ["generation.top_p=2"])
 
 
 def test_an_evaluation_composes_like_a_recipe_and_takes_a_runs_prompt_and_lengths(tmp_path):
