@@ -304,13 +304,11 @@ EVAL_FLAGS = {
 #: ``convert`` flags that stand for a training config key.
 CONVERT_FLAGS = {"tp": "policy.tensor_parallel_size", "pp": "policy.pipeline_parallel_size"}
 #: Integer flags without a config key, and their least value.
-_MINIMUM = {"chunk_problems": 1, "bootstrap": 0}
+_MINIMUM = {"bootstrap": 0}
 
 
-def check_flags(
-    args: argparse.Namespace, keys: dict[str, str], schema: type[config_lib.BaseModel] = config_lib.RunConfig
-) -> None:
-    """Refuse a flag value that the config would refuse for the key it stands for, before any work.
+def check_flags(args: argparse.Namespace, keys: dict[str, str]) -> None:
+    """Refuse a flag value that training would refuse for the config key it stands for, before any work.
 
     Flags left at None (not given, where that means "the default") are not checked.
 
@@ -320,7 +318,7 @@ def check_flags(
     for attr, key in keys.items():
         value = getattr(args, attr, None)
         if value is not None:
-            config_lib.check_value(key, value, "--" + attr.replace("_", "-"), schema)
+            config_lib.check_value(key, value, "--" + attr.replace("_", "-"))
     for attr, least in _MINIMUM.items():
         value = getattr(args, attr, None)
         if value is not None and value < least:
@@ -810,13 +808,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     dp.add_argument("--keep-duplicates", action="store_true", help="keep repeated problems")
     dp.add_argument("--no-answer-check", action="store_true", help="skip checking answers with the grader")
+    grading = config_lib.GradingConfig()
     dp.add_argument(
         "--grader",
         choices=["math_verify", "deepscaler"],
-        default="math_verify",
+        default=grading.grader,
         help="grader of the answer check (default: %(default)s)",
     )
-    grading = config_lib.GradingConfig()
     dp.add_argument("--workers", type=int, default=grading.workers, help="grading processes of the answer check")
     dp.add_argument("--timeout", type=float, default=grading.timeout_s, help="grading limit per answer (seconds)")
     dp.add_argument(
