@@ -7,7 +7,7 @@ VLLM_VENV := .venv-vllm
 MCORE_LATEST_VENV := .venv-mcore-latest
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-vllm setup-mcore-latest demo test test-vllm test-mcore-latest gpu-check-smoke \
+.PHONY: setup setup-vllm setup-mcore-latest demo test test-faults test-vllm test-mcore-latest gpu-check-smoke \
 	setup-gpu-rehearsal gpu-check-rehearsal lint bench clean
 
 setup: $(STAMP)
@@ -33,6 +33,10 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest tests -m "not vllm" $(PYTEST_ARGS)
+
+# The fault-injection suites alone (a part of make test): a real Slurm cluster, killed, frozen and hung ranks.
+test-faults: setup
+	$(BIN)/python -m pytest tests/faults tests/slurm -m "not vllm" -p no:cacheprovider $(PYTEST_ARGS)
 
 test-vllm: setup setup-vllm
 	$(VLLM_VENV)/bin/python -m pytest tests/vllm -m vllm $(PYTEST_ARGS)

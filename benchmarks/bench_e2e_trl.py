@@ -202,7 +202,7 @@ def run_trl(
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from nemo_disco.config import loss_kwargs
+    from nemo_disco.parts import loss_of
     from nemo_disco.rewards import GraderPool
 
     rollouts = prompts_per_step * rollouts_per_prompt
@@ -269,7 +269,7 @@ def run_trl(
             beta=0.0,
             loss_type="grpo",
             num_iterations=1,
-            epsilon=loss_kwargs(cfg)["clip_eps"],  # the value nemo_disco's grpo binds
+            epsilon=loss_of(cfg).hyperparameters["clip_eps"],  # the value nemo_disco's grpo binds
             logging_steps=1,
             report_to=[],
             save_strategy="no",

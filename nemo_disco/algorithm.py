@@ -55,7 +55,7 @@ from typing import Any
 
 import torch
 
-from nemo_disco import checkpoint, data, distributed, hooks, losses, rollouts, stats, update, watchdog, weights
+from nemo_disco import checkpoint, data, distributed, hooks, losses, parts, rollouts, stats, update, watchdog, weights
 from nemo_disco import config as config_lib
 from nemo_disco.batch import QuestionRollouts, RolloutBatch, collate_questions
 from nemo_disco.config import ConfigError, RunConfig
@@ -225,7 +225,7 @@ def setup(cfg: RunConfig, role: tuple[distributed.DistEnv, distributed.Link] | N
     # Synchronous: the generator first (asleep when colocated), so that vLLM finds the GPU's memory free.
     generator = rollouts.start_generator(cfg, model_dir) if role is None else None
     policy = build_policy(cfg, model_dir)
-    loss = losses.get_loss(cfg.loss.name, **config_lib.loss_kwargs(cfg))  # validated and bound once
+    loss = parts.loss_of(cfg)  # its hyper-parameters validated by its own model and bound once
     # The KL reference (GRPO family with kl_coef > 0): forward only, offloaded with the policy when colocated.
     ref_policy = build_policy(cfg, model_dir, trainable=False) if loss.needs_reference else None
 
@@ -498,16 +498,25 @@ def _step_metrics(
 # Validation, checkpoints, the loop
 
 
-def _log_validation(tr: Trainer, step: int, per_problem: list[float]) -> dict[str, float]:
+def _log_validation(tr: Trainer, step: int, per_problem: list[float], failures: dict[str, float]) -> dict[str, float]:
     """``val/pass@1`` and its standard error over problems; the per-problem values go to validation.jsonl.
 
-    A record for ``step`` replaces any of the same or a later step (left by a run that resumed before them).
+    Rewards that failed (``failures``: errors and timeouts, which score 0) are said in one line and counted in the
+    record, since they lower the pass@1. A record for ``step`` replaces any of the same or a later step (left by a
+    run that resumed before them).
     """
     mean, se = stats.mean_se(per_problem) if per_problem else (0.0, 0.0)
+    failed = rollouts.reward_errors_line(failures)
+    if failed:
+        when = "before step 1" if step == 0 else f"after step {step}"
+        tr.logger.write(f"validation {when}: {failed}, counted as wrong")
     if tr.env.is_main:
         path = tr.run_dir / "validation.jsonl"
         kept = [r for r in read_jsonl(path) if r["step"] < step]
-        kept.append({"step": step, "pass@1": mean, "pass@1_se": se, "per_problem": per_problem})
+        n_failed = int(failures.get("reward/errors", 0) + failures.get("reward/timeouts", 0))
+        kept.append(
+            {"step": step, "pass@1": mean, "pass@1_se": se, "per_problem": per_problem, "reward_failed": n_failed}
+        )
         tmp = path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
         tmp.replace(path)
@@ -625,8 +634,8 @@ def _train(
                 tr.rollouts.start(tr.step, first_val)
         if val_every and tr.step == 0:
             with wd.phase("validation", "validation before step 1"):
-                per_problem = tr.rollouts.validate(0, a.seed)
-            tr.logger.log(0, _log_validation(tr, 0, per_problem))
+                per_problem, failures = tr.rollouts.validate(0, a.seed)
+            tr.logger.log(0, _log_validation(tr, 0, per_problem, failures))
         while tr.step < a.steps:
             label = f"step {tr.step + 1}"
             with wd.phase("step", label):
@@ -641,8 +650,8 @@ def _train(
                 )
             if val_due:
                 with wd.phase("validation", f"validation after {label}"):
-                    per_problem = tr.rollouts.validate(tr.step, a.seed + tr.step)
-                metrics.update(_log_validation(tr, tr.step, per_problem))
+                    per_problem, failures = tr.rollouts.validate(tr.step, a.seed + tr.step)
+                metrics.update(_log_validation(tr, tr.step, per_problem, failures))
             with wd.phase("step", f"{label} (metrics)"):
                 tr.logger.log(tr.step, metrics)
             last = metrics

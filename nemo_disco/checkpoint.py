@@ -397,7 +397,24 @@ def config_changes(cfg: RunConfig, saved_config: Path) -> list[str]:
         raise config_lib.ConfigError(f"{saved_config}: cannot read the checkpoint's config: {err}") from None
     old = _flatten(saved if isinstance(saved, dict) else {})
     new = _flatten(cfg.model_dump(mode="json"))
+    # Configs written before each loss declared its parameters held every loss's keys, null for "the loss's
+    # default": such a null is the chosen loss's default now.
+    defaults = _loss_defaults(cfg.loss.name) if old.get("loss.name") == cfg.loss.name else {}
+    for key, default in defaults.items():
+        if old.get(f"loss.{key}", 0) is None:
+            old[f"loss.{key}"] = default
     return [f"{k}: {old[k]!r} -> {new[k]!r}" for k in sorted(new) if _guarded(k) and k in old and old[k] != new[k]]
+
+
+def _loss_defaults(name: str) -> dict[str, Any]:
+    """The defaults of the parameters of the loss ``name`` (JSON values); empty when it cannot be found."""
+    from nemo_disco import losses
+
+    try:
+        model = losses.find_loss(name).hparams
+    except (ValueError, ImportError):
+        return {}
+    return {k: f.default for k, f in model.model_fields.items() if not f.is_required()}
 
 
 def check_resume_config(cfg: RunConfig, run_dir: str | Path) -> list[str]:

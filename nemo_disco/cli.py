@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from nemo_disco import config as config_lib
+from nemo_disco import parts
 
 EXIT_USAGE = 2
 
@@ -38,7 +39,7 @@ JOB_ERROR_GRACE_S = 10.0
 
 def _train(args: argparse.Namespace) -> int:
     try:
-        cfg = config_lib.load(args.config, args.overrides)
+        cfg = parts.load(args.config, args.overrides)  # the loss section checked by the chosen loss's own model
     except config_lib.ConfigError as err:
         raise JobError(str(err)) from None
     if args.print_config:

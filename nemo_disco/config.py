@@ -14,7 +14,6 @@ and the offending value (and the recipe file and line that set it); the CLI prin
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import functools
 import os
@@ -218,44 +217,19 @@ class RewardConfig(_Section):
 
 
 class LossConfig(_Section):
-    """The objective (losses.LOSSES) and its hyper-parameters.
+    """The objective and its hyper-parameters: the keys every loss shares, and the chosen loss's own.
 
-    A hyper-parameter left null takes the chosen loss's default, defined once beside the loss in
-    :mod:`nemo_disco.losses` (``DiscoParams``, ``ClipParams``, ``DapoParams``, ...); :func:`loss_kwargs` binds the
-    values once at start-up. The types and ranges below make a wrong value fail at load time with its key.
+    ``name`` picks a registered loss (``nemo_disco.losses.LOSSES``) or one of the user's own
+    (``package.module:Class``). The section's other keys are that loss's own parameters: their types, ranges and
+    defaults are the loss's parameter model, declared once beside the loss, and :mod:`nemo_disco.parts` checks them
+    against it and fills in the defaults (a key of another loss fails in one line naming the losses that have it).
+    A recipe or override that names another loss than the one it inherits starts this section afresh
+    (:func:`compose`); only the fields below carry over.
     """
 
-    name: Literal["disco", "discob", "drpo", "grpo", "grpo_rw", "dr_grpo", "dapo", "grpo_er", "gpg", "trpa"] = "disco"
-    score: Literal["logl", "lratio"] | None = None
-    tau: float | None = Field(None, gt=0)
-    delta: float | None = Field(None, ge=0)
-    beta: float | None = Field(None, ge=0)
-    kl: Literal["k1", "k3"] | None = None
-    official_compat: bool | None = None
-    # Questions in the objective's denominator: all of the mini-batch (the authors' code) or only those with a
-    # positive and a negative rollout.
-    divisor: Literal["all", "valid"] | None = None
-    # DRPO: temperature lambda of the positives' length weights exp((1 - L_i / L_max) / lambda), L_max =
-    # generation.max_response_tokens (smaller: a stronger preference for short correct responses).
-    drpo_lambda: float | None = Field(None, gt=0)
-    # Largest |log pi_theta - log pi_old| fed to exp() in the L-ratio score (clamped, counted).
-    max_log_ratio: float | None = Field(None, gt=0)
-    # GRPO family (clip_eps_high null: the loss's default, symmetric for GRPO, 0.28 for DAPO).
-    clip_eps: float | None = Field(None, gt=0, lt=1)
-    clip_eps_high: float | None = Field(None, gt=0)
-    kl_coef: float | None = Field(None, ge=0)
-    entropy_coef: float | None = Field(None, ge=0)
-    # GPG (arXiv 2504.02546): F_norm = the group's reward std instead of 1 (eq. 6; tab. 1 ablation), the
-    # correction alpha = B / (B - M) (eq. 7-8), and eq. 5's token normaliser: each question's tokens ("question")
-    # or all tokens of the mini-batch ("batch", the authors' trainer).
-    adv_std_norm: bool | None = None
-    alpha_correction: bool | None = None
-    token_norm: Literal["question", "batch"] | None = None
-    # TRPA (arXiv 2504.04524; values of the authors' main_TRPA.sh): preference-term beta, KTPO anisotropy for
-    # pairs won by a correct rollout, trust-region KL(pi_old, pi_theta) coefficient.
-    trpa_beta: float | None = Field(None, gt=0)
-    trpa_anisotropy: float | None = Field(None, gt=0)
-    tr_kl_coef: float | None = Field(None, ge=0)
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field("disco", pattern=r"^([A-Za-z_]\w*|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
     # Rollout / training log-prob mismatch correction.
     # auto: seq_tis with algorithm.async_rollouts (stale rollouts), none otherwise (RunConfig.rollout_correction).
     rollout_correction: Literal["auto", "none", "seq_tis"] = "auto"
@@ -400,8 +374,6 @@ class RunConfig(_Section):
             self._check_generation_layout()
         if g.max_prompt_tokens + g.max_response_tokens > 10_000_000:
             raise ValueError("generation.max_prompt_tokens + generation.max_response_tokens is implausibly large")
-        if self.loss.name == "grpo_er" and self.loss.entropy_coef == 0:  # null: the loss's default (> 0)
-            raise ValueError("loss.name=grpo_er needs loss.entropy_coef > 0")
         if self.data.val_every and not self.data.val:
             raise ValueError(f"data.val_every={self.data.val_every} needs data.val (a benchmark file)")
         if a.warmup_target is not None and p.model_path is None:  # the warm-up only applies to models built in code
@@ -719,8 +691,16 @@ def _schema_keys(schema: type[BaseModel]) -> tuple[dict[str, type[BaseModel] | N
 _KEYS = _schema_keys(RunConfig)[0]
 # Leaves holding a mapping (data.chat_template_kwargs): overrides may set their entries (key.entry=value).
 _MAPPING_KEYS = _schema_keys(RunConfig)[1]
+# Sections whose other keys belong to the part they name (loss: the chosen loss's parameters, checked by its own model
+# in nemo_disco.parts); their own fields are the keys every part shares.
+_OPEN_SECTIONS = {k: sec for k, sec in _KEYS.items() if sec is not None and sec.model_config.get("extra") == "allow"}
 #: Where each schema's recipes name their ``defaults:`` after their own folder.
 _SHIPPED = {RunConfig: SHIPPED_RECIPES, EvalConfig: SHIPPED_EVAL_RECIPES}
+
+
+def _open_sections(schema: type[BaseModel]) -> dict[str, type[BaseModel]]:
+    """A schema's open sections (:data:`_OPEN_SECTIONS` for the run's; an evaluation has none)."""
+    return _OPEN_SECTIONS if schema is RunConfig else {}
 
 
 def _suggestion(key: str, schema: type[BaseModel] = RunConfig) -> str:
@@ -755,7 +735,7 @@ def _check_override_key(override: str, schema: type[BaseModel] = RunConfig) -> N
         raise ConfigError(f"override {override!r} is not of the form key=value")
     key = override_key(override)
     keys, mappings = _schema_keys(schema)
-    if key in keys or key.rpartition(".")[0] in mappings:
+    if key in keys or key.rpartition(".")[0] in mappings or key.rpartition(".")[0] in _open_sections(schema):
         return
     raise ConfigError(f"unknown config key {key!r} in override {override!r}{_suggestion(key, schema)}")
 
@@ -767,7 +747,8 @@ def _unknown_keys(raw: dict[str, Any], prefix: str = "", schema: type[BaseModel]
     for name, value in raw.items():
         key = f"{prefix}{name}"
         if key not in keys:
-            out.append(key)
+            if prefix.rstrip(".") not in _open_sections(schema):  # an open section's other keys: its part's to check
+                out.append(key)
         elif keys[key] is not None and isinstance(value, dict):
             out.extend(_unknown_keys(value, key + ".", schema))
     return out
@@ -794,17 +775,75 @@ def _recipe_files(recipe: Path, folders: list[Path]) -> list[Path]:
     return files
 
 
-def _defaults_of(path: Path, folders: list[Path]) -> list[Path]:
-    """The recipe files a recipe's ``defaults:`` list names, as the composition finds them (first folder first)."""
+def _mapping(path: Path) -> dict[str, Any]:
+    """A recipe file's top-level mapping ({} when it cannot be read: the composition reports that)."""
     try:
-        defaults = (yaml.safe_load(path.read_text()) or {}).get("defaults") or []
-    except (OSError, yaml.YAMLError, AttributeError):
-        return []
-    found = []
+        raw = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return {}
+    return raw if isinstance(raw, dict) else {}
+
+
+def _defaults_entries(path: Path, folders: list[Path]) -> list[Path | None]:
+    """A recipe's ``defaults:`` list as the files it names (first folder first); None stands for ``_self_``."""
+    defaults = _mapping(path).get("defaults") or []
+    found: list[Path | None] = []
     for entry in defaults if isinstance(defaults, list) else []:
-        if isinstance(entry, str) and entry != "_self_":
+        if entry == "_self_":
+            found.append(None)
+        elif isinstance(entry, str):
             found.extend([f / f"{entry}.yaml" for f in folders if (f / f"{entry}.yaml").is_file()][:1])
     return found
+
+
+def _defaults_of(path: Path, folders: list[Path]) -> list[Path]:
+    """The recipe files a recipe's ``defaults:`` list names, as the composition finds them (first folder first)."""
+    return [f for f in _defaults_entries(path, folders) if f is not None]
+
+
+def _merge_order(recipe: Path, folders: list[Path], seen: frozenset[Path] = frozenset()) -> list[Path]:
+    """The recipe files in the order the composition merges them.
+
+    A defaults list's entries in turn, the file itself where ``_self_`` stands (last when the list has none).
+    """
+    entries = _defaults_entries(recipe, folders)
+    out: list[Path] = []
+    for entry in entries if None in entries else [*entries, None]:
+        if entry is None:
+            out.append(recipe)
+        elif entry not in seen:
+            out.extend(_merge_order(entry, folders, seen | {recipe}))
+    return out
+
+
+def _restart_named_sections(raw: dict[str, Any], recipe: Path, folders: list[Path], overrides: list[str]) -> None:
+    """A layer (a recipe file, then the overrides) that names another part starts that part's section afresh.
+
+    ``defaults: [disco]`` with ``loss: {name: grpo, kl_coef: 0.001}``, or ``loss.name=grpo`` on the command line,
+    keeps none of the keys the layers before it set for disco (tau, beta, ...), as choosing a config group in Hydra
+    replaces its node; the section's own fields (the keys every part shares) carry over. Keys the composition holds
+    from earlier layers for another name are dropped from ``raw`` here, in place.
+    """
+    for section, model in _OPEN_SECTIONS.items():
+        composed = raw.get(section)
+        if not isinstance(composed, dict):
+            continue
+        layers = []
+        for path in _merge_order(recipe.resolve(), folders):
+            own = _mapping(path).get(section)
+            if isinstance(own, dict):
+                layers.append((own.get("name"), set(own)))
+        given = {o.split("=", 1)[0].lstrip("+~").removeprefix(section + ".") for o in overrides}
+        given = {k for k in given if k in composed and "." not in k}
+        if given:
+            layers.append((composed.get("name") if "name" in given else None, given))
+        name, kept = None, set()
+        for layer_name, keys in layers:
+            if layer_name is not None and layer_name != name:
+                name, kept = layer_name, set()
+            kept |= keys
+        for key in [k for k in composed if k not in kept and k not in model.model_fields]:
+            del composed[key]
 
 
 def _check_defaults_cycle(recipe: Path, folders: list[Path]) -> None:
@@ -845,11 +884,11 @@ def _key_line(path: Path, key: str) -> int | None:
     return key_node.start_mark.line + 1
 
 
-def _key_place(key: str, recipe: Path, folders: list[Path]) -> str | None:
-    """``file:line`` of the recipe file (the recipe, else one its ``defaults:`` name) that sets a dotted key."""
-    files = _recipe_files(recipe, folders)
-    where = next(((f, line) for f in files if (line := _key_line(f, key)) is not None), None)
-    return f"{where[0]}:{where[1]}" if where else None
+def key_place(recipe: str | os.PathLike, key: str, folders: list[Path] | None = None) -> str | None:
+    """``file:line`` of the recipe (or a recipe its ``defaults:`` names, the recipe first) that sets a dotted key."""
+    recipe = Path(recipe)
+    files = _recipe_files(recipe, folders if folders is not None else _search_path(recipe))
+    return next((f"{f}:{line}" for f in files if (line := _key_line(f, key)) is not None), None)
 
 
 def _check_recipe_keys(
@@ -860,7 +899,7 @@ def _check_recipe_keys(
     if not unknown:
         return
     key = unknown[0]
-    place = _key_place(key, recipe, folders) or str(recipe)
+    place = key_place(recipe, key, folders) or str(recipe)
     more = f" (and {len(unknown) - 1} more: {', '.join(unknown[1:4])})" if len(unknown) > 1 else ""
     raise ConfigError(f"{place}: unknown config key {key!r}{_suggestion(key, schema)}{more}")
 
@@ -905,7 +944,7 @@ def validate(
         key = ".".join(str(x) for x in loc)
         if recipe is not None and key and key not in given and not any(key.startswith(g + ".") for g in given):
             path = Path(recipe)
-            place = _key_place(key, path, _search_path(path, _SHIPPED.get(schema, SHIPPED_RECIPES)))
+            place = key_place(path, key, _search_path(path, _SHIPPED.get(schema, SHIPPED_RECIPES)))
             message = f"{place}: {message}" if place else message
         raise ConfigError(message) from None
 
@@ -984,6 +1023,8 @@ def compose(
     assert isinstance(raw, dict)
     raw.pop("defaults", None)
     _check_recipe_keys(raw, path, folders, schema)
+    if schema is RunConfig:
+        _restart_named_sections(raw, path, folders, list(overrides))
     return raw
 
 
@@ -1095,63 +1136,3 @@ def check_value(key: str, value: Any, flag: str, schema: type[BaseModel] = RunCo
     except ValidationError as err:
         msg = err.errors()[0]["msg"].replace("Input should be", "must be")
         raise ConfigError(f"{flag} {value}: {msg} (as {key} in a recipe)") from None
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# The loss's keyword arguments
-
-
-# Hyper-parameters that live outside the ``loss`` section of the config.
-_CONFIG_PATHS: dict[str, tuple[str, str]] = {
-    "positive_threshold": ("reward", "positive_threshold"),
-    "max_response_tokens": ("generation", "max_response_tokens"),
-}
-# Config values of one loss (family) only: set away from the default of the loss that has them, for a loss that lacks
-# them, they would be silently ignored, so loss_kwargs refuses them.
-_SWITCHES = (
-    "drpo_lambda",
-    "kl_coef",
-    "entropy_coef",
-    "adv_std_norm",
-    "alpha_correction",
-    "token_norm",
-    "trpa_beta",
-    "trpa_anisotropy",
-    "tr_kl_coef",
-)
-
-
-def loss_kwargs(cfg: RunConfig) -> dict[str, Any]:
-    """Every hyper-parameter of the chosen loss: the config's values, the loss's own defaults for the null ones.
-
-    From ``cfg.loss`` (its fields of the same name), ``cfg.reward.positive_threshold`` and, for
-    ``dr_grpo`` and ``drpo``, ``cfg.generation.max_response_tokens``. Validated here, once.
-
-    Raises:
-        ConfigError: a value of one loss only (``loss.kl_coef``, ``loss.entropy_coef``, ``loss.drpo_lambda``, GPG's
-            and TRPA's keys) set away from the default of the loss that has it, for a loss that has no such term;
-            or an invalid value.
-    """
-    from nemo_disco import losses
-
-    loss = losses.get_loss(cfg.loss.name)
-    names = [f.name for f in dataclasses.fields(loss.hparams)]
-    hp: dict[str, Any] = {}
-    for key in names:
-        if key in _CONFIG_PATHS:
-            section, field = _CONFIG_PATHS[key]
-            value = getattr(getattr(cfg, section), field)
-        elif key in type(cfg.loss).model_fields:
-            value = getattr(cfg.loss, key)
-        else:
-            continue
-        if value is not None:
-            hp[key] = value
-    for key in _SWITCHES:
-        value = getattr(cfg.loss, key)
-        if key not in names and value is not None and value != losses.default_of(key):
-            raise ConfigError(f"loss.{key}={value} has no effect with loss.name={loss.name}")
-    try:
-        return loss.bind(**hp).hyperparameters
-    except ValueError as err:
-        raise ConfigError(str(err)) from None

@@ -8,6 +8,8 @@ code with the library.
 from __future__ import annotations
 
 import math
+import re
+from pathlib import Path
 
 import torch
 
@@ -479,3 +481,15 @@ def microbatch_grad(
         )
         grad += grad_of(losses.surrogate(coeffs[rows], st), pol.w)
     return grad, value, metrics
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# A loss of the user's own: the worked example of docs/losses.md, written into a folder as the module my_losses.
+
+
+def write_docs_loss_example(folder: Path) -> str:
+    """Write docs/losses.md's example loss to ``folder/my_losses.py``; returns its ``loss.name``."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "losses.md").read_text()
+    section = doc[doc.index("## A loss of your own") :]
+    (folder / "my_losses.py").write_text(re.search(r"```python\n(.*?)```", section, re.S).group(1))
+    return "my_losses:MeanBaselinePG"

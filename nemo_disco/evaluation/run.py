@@ -352,18 +352,19 @@ def evaluate_model(
     g, d = cfg.generation, cfg.data
     samples, max_tokens, seed, tensor_parallel_size = g.samples, g.max_response_tokens, g.seed, g.tensor_parallel_size
     env = distributed.read_env()
-    if generator is None:  # before any work: a --backend vllm that cannot run is refused here
-        backend, why = choose_backend(g.backend)
+    step = run_checkpoint(cfg.run, cfg.checkpoint) if model_dir is None and cfg.run is not None else None
+    model_dir = model_dir if model_dir is not None else cfg.model
+    if model_dir is None and step is None:
+        raise ValueError("nothing to evaluate: give a model (--model HF_DIR) or a run's checkpoint (--run RUN_DIR)")
+    if generator is None:  # before any work (a conversion too): a --backend vllm that cannot run is refused here
+        backend, why = choose_backend(g.backend, step / "policy" if step is not None else model_dir)
     if env.world_size % tensor_parallel_size:
         raise ValueError(
             f"--tp {tensor_parallel_size} (generation.tensor_parallel_size) does not divide the {env.world_size} "
             "processes of the job (one per GPU)"
         )
-    if model_dir is None and cfg.run is not None:
-        model_dir = converted_model(run_checkpoint(cfg.run, cfg.checkpoint))
-    model_dir = model_dir if model_dir is not None else cfg.model
-    if model_dir is None:
-        raise ValueError("nothing to evaluate: give a model (--model HF_DIR) or a run's checkpoint (--run RUN_DIR)")
+    if step is not None:
+        model_dir = converted_model(step)
     engines, engine, tp_rank = (
         env.world_size // tensor_parallel_size,
         env.rank // tensor_parallel_size,

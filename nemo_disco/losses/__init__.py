@@ -70,7 +70,19 @@ is its true value (the code logs a surrogate of value ~1), and positives are thr
 reward exactly 1 / 0).
 """
 
-from nemo_disco.losses.base import COUPLINGS, MINIBATCH, QUESTION, ROLLOUT, Hyper, Loss, coefficients, surrogate
+from nemo_disco.losses.base import (
+    COUPLINGS,
+    MINIBATCH,
+    QUESTION,
+    ROLLOUT,
+    Hyper,
+    Loss,
+    coefficients,
+    from_run,
+    run_keys,
+    surrogate,
+    validation_message,
+)
 from nemo_disco.losses.correction import mismatch_metrics, rollout_weights
 from nemo_disco.losses.disco import (
     SCORE_STATS,
@@ -98,7 +110,7 @@ from nemo_disco.losses.grpo import (
     grpo_rw_objective,
 )
 from nemo_disco.losses.reduce import ADV_EPS, group_index, weighted_group_logmeanexp, weighted_group_mean
-from nemo_disco.losses.registry import LOSSES, default_of, get_loss
+from nemo_disco.losses.registry import LOSSES, find_loss, get_loss, load_loss, not_a_parameter, register_loss
 from nemo_disco.losses.trpa import TRPA_STATS, TrpaParams, trpa_objective, trpa_stats
 
 __all__ = [
@@ -127,11 +139,12 @@ __all__ = [
     "clip_stats",
     "coefficients",
     "dapo_objective",
-    "default_of",
     "disco_objective",
     "discob_objective",
     "dr_grpo_objective",
     "drpo_objective",
+    "find_loss",
+    "from_run",
     "get_loss",
     "gpg_objective",
     "gpg_stats",
@@ -139,12 +152,17 @@ __all__ = [
     "grpo_er_objective",
     "grpo_objective",
     "grpo_rw_objective",
+    "load_loss",
     "mismatch_metrics",
+    "not_a_parameter",
+    "register_loss",
     "rollout_weights",
+    "run_keys",
     "score_stats",
     "surrogate",
     "trpa_objective",
     "trpa_stats",
+    "validation_message",
     "weighted_group_logmeanexp",
     "weighted_group_mean",
 ]

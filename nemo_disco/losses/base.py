@@ -1,86 +1,78 @@
 """The loss object and its machinery.
 
-Hyper-parameter fields, coupling declarations, :class:`Loss`, :func:`coefficients` and :func:`surrogate` (the
+Hyper-parameter models, coupling declarations, :class:`Loss`, :func:`coefficients` and :func:`surrogate` (the
 exact two-pass gradient).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from torch import Tensor
 
 from nemo_disco.losses.reduce import check_tokens
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Hyper-parameters: one frozen dataclass per loss family, defined beside its loss; its fields (each with its default
-# and its check) are exactly the keyword arguments the loss takes. The run config leaves a value null to take these
-# defaults (config.loss_kwargs); get_loss binds them once.
+# Hyper-parameters: one pydantic model per loss, defined beside the loss and declared with it (registry.register_loss).
+# Its fields (type, range, default) are exactly the keyword arguments the loss takes: it is the schema of the run
+# config's ``loss`` section for that loss, and get_loss binds its values once.
+
+#: Field metadata naming the run-config key a parameter is read from (:func:`from_run`).
+RUN_KEY = "run_key"
 
 
-def is_number(v: Any) -> bool:
-    """A finite int or float (not a bool)."""
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+def from_run(key: str, default: Any, **constraints: Any) -> Any:
+    """A parameter the run config sets from another section (``key``, e.g. ``generation.max_response_tokens``).
+
+    The ``loss`` section does not take it: the value is the run's own, so the two cannot disagree.
+    """
+    return Field(default, json_schema_extra={RUN_KEY: key}, **constraints)
 
 
-def is_integer(v: Any) -> bool:
-    """An int (not a bool)."""
-    return isinstance(v, int) and not isinstance(v, bool)
+class Hyper(BaseModel):
+    """Hyper-parameters every loss takes; a loss's parameter model subclasses it with its own fields."""
 
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, validate_default=True)
 
-def hparam(default: Any, check: Callable[[Any], bool], want: str) -> Any:
-    """A hyper-parameter field: its default and its check (``want`` says what a valid value is)."""
-    return field(default=default, metadata={"check": check, "want": want})
-
-
-def positive(default: float) -> Any:
-    """A hyper-parameter field that must be a finite number > 0."""
-    return hparam(default, lambda v: is_number(v) and v > 0, "> 0")
-
-
-def optional_positive(default: float | None) -> Any:
-    """A hyper-parameter field that must be None or a finite number > 0."""
-    return hparam(default, lambda v: v is None or (is_number(v) and v > 0), "None or > 0")
-
-
-def non_negative(default: float) -> Any:
-    """A hyper-parameter field that must be a finite number >= 0."""
-    return hparam(default, lambda v: is_number(v) and v >= 0, ">= 0")
-
-
-def flag(default: bool) -> Any:
-    """A hyper-parameter field that must be a bool."""
-    return hparam(default, lambda v: isinstance(v, bool), "a bool")
-
-
-def choice(default: str, *options: str) -> Any:
-    """A hyper-parameter field that must be one of ``options``."""
-    return hparam(default, lambda v: v in options, " or ".join(repr(o) for o in options))
-
-
-@dataclass(frozen=True)
-class Hyper:
-    """Hyper-parameters every loss takes."""
-
-    positive_threshold: float = hparam(0.5, is_number, "a finite number")
+    # Rollouts with a reward above it are positives: the run's reward.positive_threshold.
+    positive_threshold: float = from_run("reward.positive_threshold", 0.5)
     # Estimator of KL(pi_old || pi_theta): the constraint of DisCO, a monitored metric for the GRPO family.
-    kl: str = choice("k1", "k1", "k3")
-    max_log_ratio: float = positive(20.0)
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if not f.metadata["check"](value):
-                raise ValueError(f"{f.name}={value!r} must be {f.metadata['want']}")
+    kl: Literal["k1", "k3"] = "k1"
+    # Largest |log pi_theta - log pi_old| fed to exp() (L-ratio score, k3 estimators; clamped, counted).
+    max_log_ratio: float = Field(20.0, gt=0)
 
     @property
     def needs_reference(self) -> bool:
         """Whether these settings need the reference policy's log-probs."""
         return False
+
+
+def run_keys(model: type[Hyper]) -> dict[str, str]:
+    """The parameters of ``model`` read from elsewhere in the run config: name -> dotted config key."""
+    out = {}
+    for name, f in model.model_fields.items():
+        extra = f.json_schema_extra
+        if isinstance(extra, dict) and RUN_KEY in extra:
+            out[name] = str(extra[RUN_KEY])
+    return out
+
+
+def validation_message(err: ValidationError, prefix: str = "") -> str:
+    """A pydantic error of a parameter model as one line: ``tau=-1.0: input should be greater than 0``.
+
+    ``prefix`` is put before each key (``loss.`` in the run config's spelling).
+    """
+    parts = []
+    for e in err.errors():
+        loc = prefix + ".".join(str(x) for x in e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
+        msg = msg[:1].lower() + msg[1:]
+        parts.append(f"{loc}={e['input']!r}: {msg}" if e["loc"] else msg)
+    return "; ".join(parts)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -135,7 +127,8 @@ class Loss:
         needs_entropy: ``stats`` needs the per-token entropy [N, T].
         needs_reference: ``stats`` needs the reference policy's log-probs [N, T]. For the GRPO family this
             depends on ``kl_coef``: :func:`get_loss` with hyper-parameters (or :meth:`bind`) resolves it.
-        hparams: frozen dataclass whose fields (defaults and checks) are the hyper-parameters this loss takes.
+        hparams: the loss's parameter model (pydantic): its fields, with their ranges and defaults, are the
+            hyper-parameters this loss takes.
         stats_fn: ``(logprobs, old_logprobs, mask, entropy, ref_logprobs, params) -> [N, K]``.
         objective_fn: ``(stats, group_ids, rewards, weights, params) -> (loss, metrics)``.
         coupling_fn: ``(params, first_update, weighted) -> ROLLOUT | QUESTION | MINIBATCH``: how far the
@@ -155,19 +148,19 @@ class Loss:
     bound: Hyper | None = None
 
     def params(self, **hp: Any) -> Hyper:
-        """Validate hyper-parameters into this loss's params dataclass.
+        """Validate hyper-parameters into this loss's parameter model.
 
         Raises:
             ValueError: one line naming the loss and the unknown or invalid key.
         """
-        names = [f.name for f in fields(self.hparams)]
+        names = list(self.hparams.model_fields)
         unknown = sorted(set(hp) - set(names))
         if unknown:
             raise ValueError(f"loss {self.name!r} got unknown hyper-parameter(s) {unknown}; it takes {names}")
         try:
             return self.hparams(**hp)
-        except ValueError as err:
-            raise ValueError(f"loss {self.name!r}: {err}") from None
+        except ValidationError as err:
+            raise ValueError(f"loss {self.name!r}: {validation_message(err)}") from None
 
     def bind(self, **hp: Any) -> Loss:
         """This loss with these hyper-parameters validated and bound (``needs_reference`` resolved for them)."""
@@ -177,13 +170,13 @@ class Loss:
     @property
     def hyperparameters(self) -> dict[str, Any]:
         """The bound hyper-parameters (defaults where none were bound), every one of them."""
-        return asdict(self._resolve({}))
+        return self._resolve({}).model_dump()
 
     def _resolve(self, hp: dict[str, Any]) -> Hyper:
         """The bound hyper-parameters; with ``hp``, those replaced (validated: the trainer never passes any)."""
         if not hp:
             return self.bound if self.bound is not None else self.params()
-        return self.params(**({**asdict(self.bound), **hp} if self.bound is not None else hp))
+        return self.params(**({**self.bound.model_dump(), **hp} if self.bound is not None else hp))
 
     def coupling(self, *, first_update: bool, weighted: bool, **hp: Any) -> str:
         """How far this objective couples rollouts, for these hyper-parameters: the rows ``c_i = dL/dstats_i`` reads.

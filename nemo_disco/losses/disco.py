@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import Literal
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
-from nemo_disco.losses.base import Hyper, choice, flag, hparam, is_integer, non_negative, positive
+from nemo_disco.losses.base import Hyper, constrained_coupling, from_run
 from nemo_disco.losses.reduce import (
     clamp_counted,
     group_index,
@@ -20,40 +21,41 @@ from nemo_disco.losses.reduce import (
     weighted_group_logmeanexp,
     weighted_group_mean,
 )
+from nemo_disco.losses.registry import register_loss
 
 # ----------------------------------------------------------------------------------------------------------------------
 # DisCO / DisCO-b: score statistics.
 
 
-@dataclass(frozen=True)
-class DiscoParams(Hyper):
-    """DisCO (eq. 10-11): score, DRO temperature, KL constraint (eq. 9), compat switch, divisor."""
-
-    score: str = choice("logl", "logl", "lratio")
-    tau: float = positive(10.0)
-    delta: float = non_negative(1e-4)
-    beta: float = non_negative(1e3)
-    official_compat: bool = flag(False)
-    divisor: str = choice("all", "all", "valid")
-
-
-@dataclass(frozen=True)
 class DiscobParams(Hyper):
-    """DisCO-b (eq. 7-8): as DisCO without tau."""
+    """DisCO-b (eq. 7-8): score, KL constraint (eq. 9), compat switch, divisor."""
 
-    score: str = choice("logl", "logl", "lratio")
-    delta: float = non_negative(1e-4)
-    beta: float = non_negative(1e3)
-    official_compat: bool = flag(False)
-    divisor: str = choice("all", "all", "valid")
+    # logl: mean token log-prob; lratio: mean token pi_theta / pi_old (paper §5.1).
+    score: Literal["logl", "lratio"] = "logl"
+    # KL trust-region threshold and squared-hinge penalty coefficient (paper §6, the authors' script).
+    delta: float = Field(1e-4, ge=0)
+    beta: float = Field(1e3, ge=0)
+    # true: the authors' code (half the constraint gradient, log-sum-exp; docs/departures.md).
+    official_compat: bool = False
+    # Questions in the objective's denominator: all of the mini-batch (the authors' code) or only those with a
+    # positive and a negative rollout.
+    divisor: Literal["all", "valid"] = "all"
 
 
-@dataclass(frozen=True)
+class DiscoParams(DiscobParams):
+    """DisCO (eq. 10-11): DisCO-b's parameters and the DRO temperature."""
+
+    # DRO temperature: 10 for logl, 1 for lratio (paper §6, the authors' script).
+    tau: float = Field(10.0, gt=0)
+
+
 class DrpoParams(DiscoParams):
     """DRPO: DisCO with positives weighted by ``exp((1 - L / max_response_tokens) / drpo_lambda)``, L their length."""
 
-    drpo_lambda: float = positive(0.1)
-    max_response_tokens: int = hparam(8192, lambda v: is_integer(v) and v >= 1, "an int >= 1")
+    # Temperature lambda of the positives' length weights (smaller: a stronger preference for short correct ones;
+    # the authors' run_drpo_1.5b_8k.sh Lambda).
+    drpo_lambda: float = Field(0.1, gt=0)
+    max_response_tokens: int = from_run("generation.max_response_tokens", 8192, ge=1)
 
 
 SCORE_STATS = ("score", "kl_sum", "tokens", "clamped")
@@ -117,6 +119,7 @@ def _constrained(
     return loss, metrics
 
 
+@register_loss("disco", params=DiscoParams, stat_names=SCORE_STATS, stats=score_stats, coupling=constrained_coupling)
 def disco_objective(
     stats: Tensor, group_ids: Tensor, rewards: Tensor, weights: Tensor | None, p: DiscoParams
 ) -> tuple[Tensor, dict[str, Tensor | float]]:
@@ -153,6 +156,7 @@ def disco_objective(
     return _constrained(J, stats, p, metrics)
 
 
+@register_loss("discob", params=DiscobParams, stat_names=SCORE_STATS, stats=score_stats, coupling=constrained_coupling)
 def discob_objective(
     stats: Tensor, group_ids: Tensor, rewards: Tensor, weights: Tensor | None, p: DiscobParams
 ) -> tuple[Tensor, dict[str, Tensor | float]]:
@@ -190,6 +194,7 @@ def _length_log_weights(tokens: Tensor, index: Tensor, num_groups: int, select: 
     return torch.where(select, log_w - peak[index], 0.0)  # [N]
 
 
+@register_loss("drpo", params=DrpoParams, stat_names=SCORE_STATS, stats=score_stats, coupling=constrained_coupling)
 def drpo_objective(
     stats: Tensor, group_ids: Tensor, rewards: Tensor, weights: Tensor | None, p: DrpoParams
 ) -> tuple[Tensor, dict[str, Tensor | float]]:

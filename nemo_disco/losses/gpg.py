@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor
 
-from nemo_disco.losses.base import Hyper, choice, flag
+from nemo_disco.losses.base import Hyper, rollout_coupled
 from nemo_disco.losses.reduce import (
     clamp_counted,
     group_advantage,
@@ -19,18 +19,21 @@ from nemo_disco.losses.reduce import (
     masked_sum,
     weights_or_ones,
 )
+from nemo_disco.losses.registry import register_loss
 
 # ----------------------------------------------------------------------------------------------------------------------
 # GPG: plain policy gradient on the summed token log-likelihood.
 
 
-@dataclass(frozen=True)
 class GpgParams(Hyper):
     """GPG (arXiv 2504.02546): F_norm (eq. 6), the correction alpha = B / (B - M) (eq. 7-8), eq. 5's normaliser."""
 
-    adv_std_norm: bool = flag(False)
-    alpha_correction: bool = flag(True)
-    token_norm: str = choice("question", "question", "batch")
+    # F_norm = the question's reward std instead of 1 (eq. 6; tab. 1 ablation).
+    adv_std_norm: bool = False
+    # Scale by alpha = B / (B - M), M = rollouts of questions whose rewards are all equal (eq. 7-8).
+    alpha_correction: bool = True
+    # Eq. 5's token normaliser: each question's own tokens, or all tokens of the mini-batch (the authors' trainer).
+    token_norm: Literal["question", "batch"] = "question"
 
 
 GPG_STATS = ("logp_sum", "tokens", "kl_sum", "clamped")
@@ -59,6 +62,7 @@ def gpg_stats(
     return torch.stack([logp_sum, n, kl_estimate_sum(raw, d, p.kl), clamped], dim=1)  # [N, 4]
 
 
+@register_loss("gpg", params=GpgParams, stat_names=GPG_STATS, stats=gpg_stats, coupling=rollout_coupled)
 def gpg_objective(
     stats: Tensor, group_ids: Tensor, rewards: Tensor, weights: Tensor | None, p: GpgParams
 ) -> tuple[Tensor, dict[str, Tensor | float]]:

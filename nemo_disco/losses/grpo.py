@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Literal
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
-from nemo_disco.losses.base import Hyper, choice, hparam, is_integer, is_number, non_negative, optional_positive
+from nemo_disco.losses.base import Hyper, from_run, question_coupled, rollout_coupled
 from nemo_disco.losses.reduce import (
     clamp_counted,
     group_advantage,
@@ -20,18 +21,20 @@ from nemo_disco.losses.reduce import (
     weighted_group_mean,
     weights_or_ones,
 )
+from nemo_disco.losses.registry import register_loss
 
 # ----------------------------------------------------------------------------------------------------------------------
 # GRPO family: clipped-ratio statistics.
 
 
-@dataclass(frozen=True)
 class ClipParams(Hyper):
     """PPO-clipped GRPO family: clip range (clip_eps_high None = symmetric) and KL regulariser to a reference."""
 
-    clip_eps: float = hparam(0.2, lambda v: is_number(v) and 0 < v < 1, "in (0, 1)")
-    clip_eps_high: float | None = optional_positive(None)
-    kl_coef: float = non_negative(0.0)
+    # PPO / GRPO clip range [1 - clip_eps, 1 + clip_eps_high] of the token ratio (the authors' verl clip_ratio 0.2).
+    clip_eps: float = Field(0.2, gt=0, lt=1)
+    clip_eps_high: float | None = Field(None, gt=0)
+    # KL regulariser to a reference policy (the paper's baselines: 0.001); > 0 builds the reference policy.
+    kl_coef: float = Field(0.0, ge=0)
 
     @property
     def needs_reference(self) -> bool:
@@ -39,33 +42,30 @@ class ClipParams(Hyper):
         return self.kl_coef > 0
 
 
-@dataclass(frozen=True)
 class GrpoRwParams(ClipParams):
     """GRPO_RW (eq. 6): the question average uses the same divisor switch as DisCO."""
 
-    divisor: str = choice("all", "all", "valid")
+    divisor: Literal["all", "valid"] = "all"
 
 
-@dataclass(frozen=True)
 class DrGrpoParams(ClipParams):
     """Dr. GRPO: the constant token-sum normaliser (the generation's max response length)."""
 
-    max_response_tokens: int = hparam(8192, lambda v: is_integer(v) and v >= 1, "an int >= 1")
+    max_response_tokens: int = from_run("generation.max_response_tokens", 8192, ge=1)
 
 
-@dataclass(frozen=True)
 class DapoParams(Hyper):
     """DAPO: clip-higher (eps_low 0.2, eps_high 0.28; DAPO paper §3.1), no KL term."""
 
-    clip_eps: float = hparam(0.2, lambda v: is_number(v) and 0 < v < 1, "in (0, 1)")
-    clip_eps_high: float | None = optional_positive(0.28)
+    clip_eps: float = Field(0.2, gt=0, lt=1)
+    clip_eps_high: float | None = Field(0.28, gt=0)
 
 
-@dataclass(frozen=True)
 class GrpoErParams(ClipParams):
     """GRPO-ER: GRPO plus an entropy bonus."""
 
-    entropy_coef: float = non_negative(1e-3)
+    # Entropy bonus coefficient (verl's default entropy_coeff); > 0, else the loss is GRPO's.
+    entropy_coef: float = Field(1e-3, gt=0)
 
 
 CLIP_STATS = ("pos_sum", "neg_sum", "tokens", "clip_high", "clip_low", "kl_sum", "clamped", "ref_kl_sum", "ref_clamped")
@@ -163,6 +163,7 @@ def _regularised(
     return -J + reg, metrics
 
 
+@register_loss("grpo", params=ClipParams, stat_names=CLIP_STATS, stats=clip_stats, coupling=rollout_coupled)
 def grpo_objective(
     stats: Tensor, group_ids: Tensor, rewards: Tensor, weights: Tensor | None, p: ClipParams
 ) -> tuple[Tensor, dict[str, Tensor | float]]:
@@ -187,6 +188,7 @@ def grpo_objective(
     return _regularised(J, stats, reg, metrics, n)
 
 
+@register_loss("grpo_rw", params=GrpoRwParams, stat_names=CLIP_STATS, stats=clip_stats, coupling=question_coupled)
 def grpo_rw_objective(
     stats: Tensor, group_ids: Tensor, rewards: Tensor, weights: Tensor | None, p: GrpoRwParams
 ) -> tuple[Tensor, dict[str, Tensor | float]]:
@@ -212,6 +214,7 @@ def grpo_rw_objective(
     return _regularised(J, stats, reg, metrics, n)
 
 
+@register_loss("dr_grpo", params=DrGrpoParams, stat_names=CLIP_STATS, stats=clip_stats, coupling=rollout_coupled)
 def dr_grpo_objective(
     stats: Tensor, group_ids: Tensor, rewards: Tensor, weights: Tensor | None, p: DrGrpoParams
 ) -> tuple[Tensor, dict[str, Tensor | float]]:
@@ -233,6 +236,7 @@ def dr_grpo_objective(
     return _regularised(J, stats, reg, metrics, n)
 
 
+@register_loss("dapo", params=DapoParams, stat_names=CLIP_STATS, stats=clip_stats, coupling=rollout_coupled)
 def dapo_objective(
     stats: Tensor, group_ids: Tensor, rewards: Tensor, weights: Tensor | None, p: DapoParams
 ) -> tuple[Tensor, dict[str, Tensor | float]]:
@@ -251,6 +255,26 @@ def dapo_objective(
     return _regularised(J, stats, J.new_zeros(()), metrics, n)
 
 
+def clip_stats_with_entropy(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    mask: Tensor,
+    entropy: Tensor | None,
+    ref_logprobs: Tensor | None,
+    p: GrpoErParams,
+) -> Tensor:
+    """:func:`clip_stats` plus ``entropy_sum`` (GRPO-ER)."""
+    return clip_stats(logprobs, old_logprobs, mask, entropy, ref_logprobs, p, with_entropy=True)
+
+
+@register_loss(
+    "grpo_er",
+    params=GrpoErParams,
+    stat_names=(*CLIP_STATS, "entropy_sum"),
+    stats=clip_stats_with_entropy,
+    coupling=rollout_coupled,
+    needs_entropy=True,
+)
 def grpo_er_objective(
     stats: Tensor, group_ids: Tensor, rewards: Tensor, weights: Tensor | None, p: GrpoErParams
 ) -> tuple[Tensor, dict[str, Tensor | float]]:
@@ -263,15 +287,3 @@ def grpo_er_objective(
     H = stats[:, len(CLIP_STATS)].sum() / stats[:, 2].sum().clamp(min=1)
     metrics["entropy"] = H.detach()
     return loss - p.entropy_coef * H, metrics
-
-
-def clip_stats_with_entropy(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    mask: Tensor,
-    entropy: Tensor | None,
-    ref_logprobs: Tensor | None,
-    p: GrpoErParams,
-) -> Tensor:
-    """:func:`clip_stats` plus ``entropy_sum`` (GRPO-ER)."""
-    return clip_stats(logprobs, old_logprobs, mask, entropy, ref_logprobs, p, with_entropy=True)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+from pydantic import Field
 from torch import Tensor
 
-from nemo_disco.losses.base import Hyper, non_negative, positive
+from nemo_disco.losses.base import Hyper, question_coupled
 from nemo_disco.losses.reduce import (
     clamp_counted,
     group_index,
@@ -16,18 +15,20 @@ from nemo_disco.losses.reduce import (
     log_ratio,
     weights_or_ones,
 )
+from nemo_disco.losses.registry import register_loss
 
 # ----------------------------------------------------------------------------------------------------------------------
 # TRPA: pairwise preference term on log-ratios to the reference, trust-region KL to pi_old.
 
 
-@dataclass(frozen=True)
 class TrpaParams(Hyper):
     """TRPA (arXiv 2504.04524): preference-term beta, KTPO anisotropy, trust-region KL coefficient (authors' script)."""
 
-    trpa_beta: float = positive(0.1)
-    trpa_anisotropy: float = positive(2.5)
-    tr_kl_coef: float = non_negative(1e-3)
+    # Values of the authors' main_TRPA.sh: preference-term beta, KTPO factor on beta for pairs won by a correct
+    # rollout, trust-region KL(pi_old, pi_theta) coefficient (tr_kl_loss_coef).
+    trpa_beta: float = Field(0.1, gt=0)
+    trpa_anisotropy: float = Field(2.5, gt=0)
+    tr_kl_coef: float = Field(1e-3, ge=0)
 
     @property
     def needs_reference(self) -> bool:
@@ -64,6 +65,7 @@ def trpa_stats(
     return torch.stack([h, tr_kl, n, kl_estimate_sum(raw, d, p.kl), clamped], dim=1)  # [N, 5]
 
 
+@register_loss("trpa", params=TrpaParams, stat_names=TRPA_STATS, stats=trpa_stats, coupling=question_coupled)
 def trpa_objective(
     stats: Tensor, group_ids: Tensor, rewards: Tensor, weights: Tensor | None, p: TrpaParams
 ) -> tuple[Tensor, dict[str, Tensor | float]]:

@@ -4,7 +4,7 @@ The trainer (:mod:`nemo_disco.algorithm`) sees one small interface, :class:`Roll
 
 - ``next(step)``: the graded rollouts of training step ``step`` and their metrics;
 - ``publish(step, ...)``: the policy has finished step ``step``; its weights are the generator's next ones;
-- ``validate(step, ...)``: per-problem pass@1 of the weights after ``step`` steps;
+- ``validate(step, ...)``: per-problem pass@1 of the weights after ``step`` steps, and the rewards that failed;
 - ``state_dict(step)``: what a checkpoint needs to resume bit for bit; ``close``.
 
 Two sources share the same :class:`Rollouter` (the code that samples, grades and tops up questions):
@@ -80,8 +80,8 @@ class RolloutSource(Protocol):
         """The policy has finished ``step``; returns the seconds spent sending its weights (0: nothing sent)."""
         ...
 
-    def validate(self, step: int, seed: int) -> list[float]:
-        """Per-problem pass@1 of the weights after ``step`` steps (identical on every trainer rank)."""
+    def validate(self, step: int, seed: int) -> tuple[list[float], dict[str, float]]:
+        """Per-problem pass@1 of the weights after ``step`` steps and the failed rewards' counts (every rank's)."""
         ...
 
     def state_dict(self, step: int) -> dict[str, Any]:

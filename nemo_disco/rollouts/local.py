@@ -101,7 +101,7 @@ class LocalRollouts:
         """Nothing to send: the refit happens when the generator is next used."""
         return 0.0
 
-    def validate(self, step: int, seed: int) -> list[float]:
+    def validate(self, step: int, seed: int) -> tuple[list[float], dict[str, float]]:
         """Validate the current weights on :attr:`val`."""
         return self.ro.validate(*self.val, self.cfg.data.val_samples, seed)
 

@@ -20,7 +20,7 @@ The message protocol (docs/async.md)::
         {"kind": "rollouts", "step": t, "version": v, "failed": line}: too many of step t's rewards failed
             (reward.max_error_share); the generator makes no more, the trainer stops it (code 0) at step t and
             ends the run with the line (exit code 2)
-        {"kind": "validation", "step": v, "per_problem": [...]}
+        {"kind": "validation", "step": v, "per_problem": [...], "failures": {"reward/errors": n, ...}}
 
 Checkpoints (async): the rollouts already made for the steps after the checkpoint (at most
 ``max_staleness`` of them, made by weights older than the checkpoint's) are saved with the sampler's position
@@ -195,10 +195,11 @@ class RemoteRollouts:
         self._send(step, validate_seed, more=more)
         return time.perf_counter() - t0
 
-    def validate(self, step: int, seed: int) -> list[float]:
+    def validate(self, step: int, seed: int) -> tuple[list[float], dict[str, float]]:
         """The generator's validation of the weights after ``step`` (asked for by :meth:`publish`)."""
         msg = self._receive("validation", step) if self.leader else None
-        return distributed.broadcast_object(msg, src=0)["per_problem"]
+        msg = distributed.broadcast_object(msg, src=0)
+        return msg["per_problem"], msg["failures"]
 
     def state_dict(self, step: int) -> dict[str, Any]:
         """The rollouts made for the steps after ``step`` (waits for them) and the sampler's position after them.
@@ -302,8 +303,8 @@ def serve(cfg: RunConfig, env: distributed.DistEnv, link: distributed.Link, wd: 
                 ro.generator.update_weights(receive_weights(link))
             if head["validate"] is not None:
                 with wd.phase("validation", f"generator: validation after step {version}"):
-                    per_problem = ro.validate(*val, cfg.data.val_samples, head["validate"])
-                sender.put({"kind": "validation", "step": version, "per_problem": per_problem})
+                    per_problem, failures = ro.validate(*val, cfg.data.val_samples, head["validate"])
+                sender.put({"kind": "validation", "step": version, "per_problem": per_problem, "failures": failures})
             while (
                 head["generate"] and not failed and next_step <= a.steps and version >= next_step - 1 - a.max_staleness
             ):

@@ -135,12 +135,16 @@ class Rollouter:
             "reward/graded": graded,
         }
 
-    def validate(self, problems: list, prompt_ids: list[list[int]], samples: int, seed: int) -> list[float]:
-        """Per-problem pass@1 (share of ``samples`` correct samples), in problem order, identical on every rank.
+    def validate(
+        self, problems: list, prompt_ids: list[list[int]], samples: int, seed: int
+    ) -> tuple[list[float], dict[str, float]]:
+        """Per-problem pass@1 (share of ``samples`` correct samples), in problem order, and the grading's failures.
 
         Each generation engine samples a contiguous share of the problems and its leader grades it; the leaders'
         shares, gathered in engine order, are the problems in order. Their mean is the pass@1; their spread gives
         its standard error (:mod:`nemo_disco.stats`), and two validations on the same problems give a paired gain.
+        The second value counts the rewards that failed (``reward/errors``, ``reward/timeouts``, of
+        ``reward/graded``): they score 0, so they count as wrong. Both are identical on every rank.
         """
         g = self.cfg.generation
         share = list(range(len(problems)))[self.engines.share(len(problems))]
@@ -154,11 +158,15 @@ class Rollouter:
         truths = [problems[i].answer for i in share for _ in range(samples)]
         questions = [problems[i].problem for i in share for _ in range(samples)]
         fields = [problems[i].fields for i in share for _ in range(samples)]
-        scores, _ = self.grader.score(texts, truths, questions, fields) if texts else ([], {})
+        scores, grade_metrics = self.grader.score(texts, truths, questions, fields) if texts else ([], {})
         # A sample counts as correct when its reward is a positive's (the graders' 1.0; a user reward's share).
         correct = [float(s > self.cfg.reward.positive_threshold) for s in scores]
         local = [sum(correct[k * samples : (k + 1) * samples]) / samples for k in range(len(share))]
-        return self.gather_engines(local)
+        timeouts, errors, graded = distributed.sum_floats(
+            [grade_metrics.get("reward/timeouts", 0.0), grade_metrics.get("reward/errors", 0.0), float(len(texts))]
+        )
+        failures = {"reward/timeouts": timeouts, "reward/errors": errors, "reward/graded": graded}
+        return self.gather_engines(local), failures
 
     def close(self) -> None:
         """Stop the grading workers and free the generator."""

@@ -356,16 +356,27 @@ def test_failed_rewards_are_said_each_step_and_a_step_where_all_failed_stops_the
     cmd += ["algorithm.warmup_sft_steps=0", "algorithm.steps=2"]
     env = {**_env(), "PYTHONPATH": str(ROOT)}
 
-    def train(name: str) -> subprocess.CompletedProcess:
-        more = [f"logging.run_dir=run_{name}", f"reward.function=flaky_rewards:{name}"]
+    def train(name: str, *extra: str) -> subprocess.CompletedProcess:
+        more = [f"logging.run_dir=run_{name}", f"reward.function=flaky_rewards:{name}", *extra]
         return subprocess.run(cmd + more, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
 
-    some = train("some")
+    # Validation before step 1 and after step 2, 8 problems x 2 samples, graded by the same function.
+    val = ["data.val=synthetic:arithmetic-heldout", "data.val_every=2", "data.val_max_problems=8"]
+    some = train("some", *val, "data.val_samples=2")
     assert some.returncode == 0, some.stderr[-3000:]
-    records = _metrics(tmp_path / "run_some")
-    said = [line for line in some.stdout.splitlines() if "reward errors" in line]
+    records = [r for r in _metrics(tmp_path / "run_some") if r["step"] > 0]  # step 0: the first validation's
+    said = [line for line in some.stdout.splitlines() if line.startswith("step ") and "reward errors" in line]
     assert said == [f"step {r['step']}: reward errors {r['reward/errors']:.0f}/32 (0 timeouts)" for r in records]
     assert all(0 < r["reward/errors"] < 32 and r["reward/failed_share"] == r["reward/errors"] / 32 for r in records)
+    # Before: validation graded with failing rewards said nothing (they score 0: wrong answers, a lower pass@1).
+    validations = [json.loads(line) for line in (tmp_path / "run_some" / "validation.jsonl").read_text().splitlines()]
+    assert [v["step"] for v in validations] == [0, 2]
+    assert all(0 < v["reward_failed"] < 16 for v in validations), validations
+    said = [line for line in some.stdout.splitlines() if line.startswith("validation ")]
+    assert said == [
+        f"validation {when}: reward errors {v['reward_failed']}/16 (0 timeouts), counted as wrong"
+        for when, v in zip(["before step 1", "after step 2"], validations, strict=True)
+    ]
     nan = train("nan")
     assert nan.returncode == 2, nan.stderr[-3000:]
     assert nan.stderr.strip().splitlines()[-1] == (

@@ -7,7 +7,7 @@ import pytest
 import torch
 from recorder import Recorder
 
-from nemo_disco import config
+from nemo_disco import config, parts
 from nemo_disco.policy.hf import HFPolicy
 
 torch.set_num_threads(1)
@@ -45,7 +45,7 @@ def test_setup_starts_the_generator_asleep_before_the_policy_fills_the_gpu(tiny_
     monkeypatch.setattr(factory, "build_run_generator", generator)
     monkeypatch.setattr(algorithm, "build_policy", policy)
     monkeypatch.setattr(local, "is_colocated", lambda cfg: True)  # as vLLM on a GPU
-    cfg = config.load(
+    cfg = parts.load(
         config.Path(__file__).resolve().parents[2] / "recipes" / "tiny-cpu.yaml",
         [
             f"policy.model_path={tiny_qwen2}",
@@ -111,12 +111,12 @@ class _FixedRollouts:
 def _step_case(tiny_qwen2, tmp_path, overrides: list[str]):
     """A Trainer on the tiny Qwen2 whose 4 questions x 4 rollouts carry the policy's own log-probs as the
     generator's: pi_old assembled by train_step must equal them wherever each mini-batch's log-probs came from."""
-    from nemo_disco import distributed, losses
+    from nemo_disco import distributed
     from nemo_disco.algorithm import Trainer
     from nemo_disco.batch import QuestionRollouts, collate_questions
     from nemo_disco.metrics import MetricsLogger
 
-    cfg = config.load(
+    cfg = parts.load(
         config.Path(__file__).resolve().parents[2] / "recipes" / "tiny-cpu.yaml",
         [
             f"policy.model_path={tiny_qwen2}",
@@ -163,7 +163,7 @@ def _step_case(tiny_qwen2, tmp_path, overrides: list[str]):
         policy=policy,
         rollouts=_FixedRollouts(records),
         logger=logger,
-        loss=losses.get_loss(cfg.loss.name, **config.loss_kwargs(cfg)),
+        loss=parts.loss_of(cfg),
     )
     return tr, [p.detach().clone() for p in policy.model.parameters()]
 
@@ -193,3 +193,56 @@ def test_train_step_runs_each_minibatch_by_its_plan_and_assembles_pi_old(
     if minibatch_prompts == 2:  # the trust region's KL couples the whole mini-batch once the weights have moved
         assert "step 1: update 1: 2 passes (loss disco couples the whole mini-batch at a later update)" in out
     assert tr.step == 0  # the caller counts steps
+
+
+SCALED_GPG = '''
+"""A loss of the user's own: GPG's objective times a scale, declared by its class (docs/losses.md)."""
+
+from typing import Literal
+
+from pydantic import Field
+
+from nemo_disco.losses import Hyper
+from nemo_disco.losses.base import rollout_coupled
+from nemo_disco.losses.gpg import GPG_STATS, gpg_objective, gpg_stats
+
+
+class ScaledGpg:
+    class Params(Hyper):
+        scale: float = Field(1.0, gt=0)
+        adv_std_norm: bool = False
+        alpha_correction: bool = True
+        token_norm: Literal["question", "batch"] = "question"
+
+    stat_names = GPG_STATS
+    stats = staticmethod(gpg_stats)
+    coupling = staticmethod(rollout_coupled)
+
+    @staticmethod
+    def objective(stats, group_ids, rewards, weights, p):
+        loss, metrics = gpg_objective(stats, group_ids, rewards, weights, p)
+        return p.scale * loss, {**metrics, "scale": p.scale}
+'''
+
+
+def test_a_loss_from_a_module_of_the_users_own_trains_exactly_like_a_built_in(tiny_qwen2, tmp_path, monkeypatch):
+    # The module lives outside the package (tmp_path on sys.path); the config names it and sets its own parameter.
+    from nemo_disco.algorithm import train_step
+
+    (tmp_path / "my_rl_losses.py").write_text(SCALED_GPG)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    results = {}
+    for name, overrides in (
+        ("user", ["loss.name=my_rl_losses:ScaledGpg", "loss.scale=1.0"]),
+        ("gpg", ["loss.name=gpg"]),
+    ):
+        torch.manual_seed(0)  # the same rollouts for both (_step_case draws response lengths from torch's global RNG)
+        tr, before = _step_case(tiny_qwen2, tmp_path / name, ["algorithm.minibatch_prompts=2", *overrides])
+        metrics = train_step(tr)
+        after = [p.detach().clone() for p in tr.policy.model.parameters()]
+        assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True)), name
+        results[name] = (metrics, after)
+    assert results["user"][0]["train/scale"] == 1.0 and "train/scale" not in results["gpg"][0]
+    for key in ("train/loss", "train/objective", "train/alpha", "update/forward_passes", "update/one_pass_updates"):
+        assert results["user"][0][key] == results["gpg"][0][key], key
+    assert all(torch.equal(a, b) for a, b in zip(results["user"][1], results["gpg"][1], strict=True))

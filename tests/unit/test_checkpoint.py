@@ -3,8 +3,9 @@ import re
 
 import pytest
 import torch
+import yaml
 
-from nemo_disco import checkpoint, config
+from nemo_disco import checkpoint, config, parts
 from nemo_disco.metrics import read_jsonl, truncate_jsonl
 
 ROOT = config.Path(__file__).resolve().parents[2]
@@ -193,12 +194,12 @@ def test_disk_full_during_save_is_a_clear_error_and_keeps_the_previous_checkpoin
 
 
 def test_resume_guard_diffs_model_loss_data_and_layout_keys(tmp_path):
-    cfg = _cfg()
+    cfg = parts.load(ROOT / "recipes" / "disco.yaml")  # composed, as training loads it
     checkpoint.save(tmp_path, 1, _FilePolicy(1), {}, cfg, keep_last=3)
-    same_run = config.load(ROOT / "recipes" / "disco.yaml", ["algorithm.steps=2000", "checkpoint.save_every=5"])
+    same_run = parts.load(ROOT / "recipes" / "disco.yaml", ["algorithm.steps=2000", "checkpoint.save_every=5"])
     assert checkpoint.check_resume_config(same_run, tmp_path) == []  # steps, saving: free to change
     changed = ["loss.tau=1", "data.seed=7", "cluster.nodes=2", "policy.dtype=float32"]
-    other = config.load(ROOT / "recipes" / "disco.yaml", changed)
+    other = parts.load(ROOT / "recipes" / "disco.yaml", changed)
     with pytest.raises(config.ConfigError) as err:
         checkpoint.check_resume_config(other, tmp_path)
     line = str(err.value)
@@ -208,9 +209,9 @@ def test_resume_guard_diffs_model_loss_data_and_layout_keys(tmp_path):
         in line
     )
     assert "checkpoint.allow_config_change=true" in line
-    allowed = config.load(ROOT / "recipes" / "disco.yaml", [*changed, "checkpoint.allow_config_change=true"])
+    allowed = parts.load(ROOT / "recipes" / "disco.yaml", [*changed, "checkpoint.allow_config_change=true"])
     assert len(checkpoint.check_resume_config(allowed, tmp_path)) == 4
-    fresh = config.load(ROOT / "recipes" / "disco.yaml", [*changed, "checkpoint.resume=false"])
+    fresh = parts.load(ROOT / "recipes" / "disco.yaml", [*changed, "checkpoint.resume=false"])
     assert checkpoint.check_resume_config(fresh, tmp_path) == []
 
 
@@ -227,3 +228,19 @@ def test_metrics_truncation_on_resume_and_torn_line(tmp_path):
     assert [r["step"] for r in read_jsonl(path)] == [0, 1, 2, 3, 4]  # the torn last line is ignored
     truncate_jsonl(path, 2)
     assert [r["step"] for r in read_jsonl(path)] == [0, 1, 2]
+
+
+def test_a_config_saved_with_every_losss_keys_null_for_defaults_resumes_unchanged(tmp_path):
+    # Saved configs used to list every loss's parameters, null standing for the chosen loss's default; the composed
+    # config holds the chosen loss's own, resolved. A null is that default: no change, unless the value changed.
+    recipe = ROOT / "recipes" / "grpo-er-r1qwen1.5b-1n8g-8k.yaml"
+    cfg = parts.load(recipe)
+    checkpoint.save(tmp_path, 1, _FilePolicy(1), {}, cfg, keep_last=3)
+    saved = tmp_path / "checkpoints" / "step_1" / "config.yaml"
+    old = yaml.safe_load(saved.read_text())
+    old["loss"].update(entropy_coef=None, tau=None, drpo_lambda=None)  # the recipe leaves entropy_coef out
+    saved.write_text(yaml.safe_dump(old))
+    assert checkpoint.check_resume_config(cfg, tmp_path) == []
+    coef = cfg.loss.model_extra["entropy_coef"]
+    with pytest.raises(config.ConfigError, match=rf"loss\.entropy_coef: {coef!r} -> {coef * 2!r}"):
+        checkpoint.check_resume_config(parts.load(recipe, [f"loss.entropy_coef={coef * 2}"]), tmp_path)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_disco import config
+from nemo_disco import config, parts
 from nemo_disco.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,7 +82,7 @@ def test_nested_defaults(tmp_path):
         ("loss.tau=0", "loss.tau=0"),
         ("loss.delta=-0.1", "loss.delta=-0.1"),
         ("loss.beta=-1", "loss.beta=-1"),
-        ("loss.name=ppo", "loss.name='ppo'"),
+        ("loss.name=ppo", "unknown loss 'ppo'"),
         ("loss.tau=abc", "loss.tau='abc'"),
         (
             "algorithm.minibatch_prompts=30",
@@ -108,17 +108,17 @@ def test_nested_defaults(tmp_path):
 )
 def test_every_validation_rule_names_the_key(override, fragment):
     with pytest.raises(ConfigError) as err:
-        config.load(EXEMPLAR, [override])
+        parts.load(EXEMPLAR, [override])  # the loss section checked by the chosen loss's model too
     msg = str(err.value)
     assert fragment in msg
     assert "\n" not in msg
 
 
 def test_grpo_er_takes_its_entropy_bonus_from_the_loss_unless_set_to_zero():
-    # The exemplar leaves loss.entropy_coef null: GRPO-ER's own default (0.001) applies; an explicit 0 is refused.
-    assert config.loss_kwargs(config.load(EXEMPLAR, ["loss.name=grpo_er"]))["entropy_coef"] == 1e-3
-    with pytest.raises(ConfigError, match="loss.name=grpo_er needs loss.entropy_coef > 0"):
-        config.load(EXEMPLAR, ["loss.name=grpo_er", "loss.entropy_coef=0"])
+    # GRPO-ER's own default (0.001) applies when the recipe leaves it out; an explicit 0 is refused by its model.
+    assert parts.load(EXEMPLAR, ["loss.name=grpo_er"]).loss.entropy_coef == 1e-3
+    with pytest.raises(ConfigError, match="loss.entropy_coef=0: input should be greater than 0"):
+        parts.load(EXEMPLAR, ["loss.name=grpo_er", "loss.entropy_coef=0"])
 
 
 def test_data_parallel_must_divide_minibatch_rollouts():
@@ -130,9 +130,11 @@ def test_data_parallel_must_divide_minibatch_rollouts():
 def test_unknown_key_in_recipe_file_is_named(tmp_path):
     bad = _recipe(tmp_path, "bad", "defaults:\n  - disco\n  - _self_\nloss:\n  betta: 3\n")
     with pytest.raises(ConfigError) as err:
-        config.load(bad)
-    # The file and the line that set it, and the closest key, as for a command-line override.
-    assert str(err.value) == f"{bad}:5: unknown config key 'loss.betta' (did you mean loss.beta?)"
+        parts.load(bad)
+    # The file and the line that set it, the closest key and the loss's keys, as for a command-line override.
+    assert str(err.value).startswith(
+        f"{bad}:5: unknown config key 'loss.betta' (did you mean loss.beta?); disco takes:"
+    )
 
 
 def test_unknown_key_is_named_in_the_inherited_recipe_that_sets_it(tmp_path):

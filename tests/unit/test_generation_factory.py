@@ -85,7 +85,9 @@ def engine_kwargs(monkeypatch) -> list[dict]:
     vllm.LLM = LLM
     vllm.SamplingParams = lambda **kw: SimpleNamespace(**kw)
     platforms = ModuleType("vllm.platforms")
-    platforms.current_platform = SimpleNamespace(is_sleep_mode_available=lambda: True, device_type="cuda")
+    platforms.current_platform = SimpleNamespace(
+        is_sleep_mode_available=lambda: True, device_type="cuda", is_cpu=lambda: False
+    )
     vllm.platforms = platforms
     monkeypatch.setitem(sys.modules, "vllm", vllm)
     monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)

@@ -1,96 +1,109 @@
-"""nemo_disco.losses.registry: names, lookup errors, hyper-parameters from the run config and their defaults."""
+"""nemo_disco.losses.registry: each loss declared once, lookup errors, losses of the user's own, the exactness rule."""
 
 from __future__ import annotations
 
-import dataclasses
-from pathlib import Path
-
 import pytest
+from loss_reference import NAIVE_DEFAULTS, VARIANTS, write_docs_loss_example
 
-from nemo_disco import config as config_lib
 from nemo_disco import losses
-from nemo_disco.config import ConfigError, LossConfig
+
+#: The paper's DisCO variants and baselines and DRPO (a loss added later needs no entry here).
+NAMES = ["disco", "discob", "drpo", "gpg", "grpo", "grpo_rw", "dr_grpo", "dapo", "grpo_er", "trpa"]
 
 
 def test_registry_and_lookup_errors() -> None:
-    names = ["disco", "discob", "drpo", "grpo", "grpo_rw", "dr_grpo", "dapo", "grpo_er", "gpg", "trpa"]
-    assert list(losses.LOSSES) == names
-    with pytest.raises(ValueError, match="valid names: " + ", ".join(names)):
+    assert list(losses.LOSSES)[: len(NAMES)] == NAMES  # in the order the loss modules declare them
+    with pytest.raises(ValueError, match="unknown loss 'ppo'; valid names: " + ", ".join(losses.LOSSES)):
         losses.get_loss("ppo")
-    with pytest.raises(ValueError, match=r"loss 'disco' got unknown hyper-parameter\(s\) \['clip_eps'\]"):
+    with pytest.raises(ValueError, match=r"unknown loss 'dsico' \(did you mean disco\?\)"):
+        losses.get_loss("dsico")
+    with pytest.raises(
+        ValueError, match=r"^clip_eps is not a parameter of disco \(grpo, grpo_rw, dr_grpo, dapo, grpo_er"
+    ):
         losses.get_loss("disco", clip_eps=0.2)
-    with pytest.raises(ValueError, match="loss 'disco': tau=-1.0 must be > 0"):
+    with pytest.raises(ValueError, match=r"^tau is not a parameter of grpo \(disco, drpo have it\)$"):
+        losses.get_loss("grpo", tau=1.0)
+    with pytest.raises(ValueError, match=r"unknown hyper-parameter 'betta' \(did you mean beta\?\); disco takes: "):
+        losses.get_loss("disco", betta=1.0)
+    with pytest.raises(ValueError, match="loss 'disco': tau=-1.0: input should be greater than 0"):
         losses.get_loss("disco", tau=-1.0)
-    with pytest.raises(ValueError, match="score='ratio' must be 'logl' or 'lratio'"):
+    with pytest.raises(ValueError, match="score='ratio': input should be 'logl' or 'lratio'"):
         losses.get_loss("discob", score="ratio")
+    with pytest.raises(ValueError, match="max_log_ratio=inf"):
+        losses.get_loss("disco", max_log_ratio=float("inf"))
+
+
+def test_every_registered_loss_is_in_the_exactness_reference() -> None:
+    # tests/loss_reference.py's VARIANTS drive the exactness tests (the library against the naive per-question loops,
+    # test_losses_base.py; micro-batched and data-parallel gradients, test_update.py, test_losses_dp.py): a loss
+    # declared without a row there fails here.
+    assert set(losses.LOSSES) <= {name for name, _ in VARIANTS}
 
 
 @pytest.mark.parametrize("name", list(losses.LOSSES))
-def test_loss_kwargs_from_config(name: str) -> None:
-    cfg = config_lib.validate(
-        {
-            "loss": {
-                "name": name,
-                "tau": 2.0,
-                "entropy_coef": 0.01 if name == "grpo_er" else None,
-                "drpo_lambda": 0.3 if name == "drpo" else None,
-            },
-            "reward": {"positive_threshold": 0.0},
-            "generation": {"max_response_tokens": 4096},
-        }
-    )
-    hp = config_lib.loss_kwargs(cfg)
-    fn = losses.get_loss(name, **hp)
-    assert hp["positive_threshold"] == 0.0
-    assert set(hp) <= {f.name for f in dataclasses.fields(fn.hparams)}
-    assert hp.get("tau") == (2.0 if name in ("disco", "drpo") else None)
-    assert ("max_response_tokens" in hp) == (name in ("dr_grpo", "drpo"))
-    if name in ("dr_grpo", "drpo"):
-        assert hp["max_response_tokens"] == 4096
-    assert hp.get("drpo_lambda") == (0.3 if name == "drpo" else None)
-    if name == "grpo_er":
-        assert hp["entropy_coef"] == 0.01
-    fn.params(**hp)  # accepted as is
+def test_each_loss_takes_the_defaults_the_reference_was_written_for(name: str) -> None:
+    # The defaults live once, on each loss's parameter model; the naive reference states them independently.
+    naive = {**NAIVE_DEFAULTS, **({"clip_eps_high": 0.28} if name == "dapo" else {})}
+    hp = losses.get_loss(name).hyperparameters
+    assert hp == {k: naive[k] for k in hp}
+    assert set(hp) == set(losses.LOSSES[name].hparams.model_fields)
 
 
-def test_loss_kwargs_rejects_terms_the_loss_lacks() -> None:
-    with pytest.raises(ConfigError, match="loss.kl_coef=0.001 has no effect with loss.name=disco"):
-        config_lib.loss_kwargs(config_lib.validate({"loss": {"name": "disco", "kl_coef": 0.001}}))
-    with pytest.raises(ConfigError, match="loss.kl_coef=0.001 has no effect with loss.name=dapo"):
-        config_lib.loss_kwargs(config_lib.validate({"loss": {"name": "dapo", "kl_coef": 0.001}}))
-    with pytest.raises(ConfigError, match="loss.entropy_coef=0.01 has no effect with loss.name=grpo"):
-        config_lib.loss_kwargs(config_lib.validate({"loss": {"name": "grpo", "entropy_coef": 0.01}}))
-    # GPG's and TRPA's keys, away from their defaults, for a loss without them.
-    with pytest.raises(ConfigError, match="loss.alpha_correction=False has no effect with loss.name=dr_grpo"):
-        config_lib.loss_kwargs(config_lib.validate({"loss": {"name": "dr_grpo", "alpha_correction": False}}))
-    with pytest.raises(ConfigError, match="loss.trpa_beta=0.2 has no effect with loss.name=gpg"):
-        config_lib.loss_kwargs(config_lib.validate({"loss": {"name": "gpg", "trpa_beta": 0.2}}))
-    with pytest.raises(ConfigError, match="loss.kl_coef=0.001 has no effect with loss.name=trpa"):
-        config_lib.loss_kwargs(config_lib.validate({"loss": {"name": "trpa", "kl_coef": 0.001}}))
-    # At their defaults they are no choice, so every loss accepts them.
-    hp = config_lib.loss_kwargs(config_lib.validate({"loss": {"name": "trpa", "trpa_beta": 0.2, "tr_kl_coef": 0.0}}))
-    assert hp["trpa_beta"] == 0.2 and hp["tr_kl_coef"] == 0.0 and hp["trpa_anisotropy"] == 2.5
-    assert config_lib.loss_kwargs(config_lib.validate({"loss": {"name": "disco"}}))["tau"] == 10.0
-    with pytest.raises(ConfigError, match="loss.drpo_lambda=0.5 has no effect with loss.name=disco"):
-        config_lib.loss_kwargs(config_lib.validate({"loss": {"name": "disco", "drpo_lambda": 0.5}}))
+def test_a_name_is_declared_once() -> None:
+    with pytest.raises(ValueError, match="loss 'disco' is registered twice"):
+        losses.register_loss(
+            "disco", params=losses.Hyper, stat_names=("x",), stats=lambda *a: None, coupling=lambda *a: "rollout"
+        )(lambda *a: None)
+    assert losses.LOSSES["disco"].objective_fn is losses.disco_objective
 
 
-def test_loss_defaults_live_beside_the_loss_only():
-    # The schema holds no default of its own for a loss hyper-parameter: null means the loss's default, so
-    # loss.name=dapo gets DAPO's clip-higher and grpo_er its entropy bonus without the recipe that sets them.
-    from nemo_disco.config import AlgorithmConfig
+MALFORMED = """
+from nemo_disco.losses import Hyper
 
-    for key, f in LossConfig.model_fields.items():
-        if key not in ("name", "rollout_correction", "rollout_correction_cap"):
-            assert f.default is None, key
-    assert "minibatch_prompts" in AlgorithmConfig.model_fields  # (the schema is still where other defaults live)
-    exemplar = config_lib.load(Path(__file__).resolve().parents[2] / "recipes" / "disco.yaml")
-    for name, key, expected in (("dapo", "clip_eps_high", 0.28), ("grpo", "clip_eps_high", None),
-                                ("grpo_er", "entropy_coef", 1e-3), ("disco", "tau", 10.0)):  # fmt: skip
-        cfg = config_lib.validate({**exemplar.model_dump(mode="json"), "loss": {"name": name}})
-        assert config_lib.loss_kwargs(cfg)[key] == expected, (name, key)
-        cfg = config_lib.validate(
-            {**exemplar.model_dump(mode="json"), "loss": {**exemplar.loss.model_dump(), "name": name}}
-        )
-        assert config_lib.loss_kwargs(cfg)[key] == expected, (name, key, "on the exemplar's loss section")
-    assert losses.get_loss("dapo").hyperparameters["clip_eps_high"] == 0.28
+
+class NoParams:
+    stat_names = ("x",)
+
+
+class Incomplete:
+    Params = Hyper
+"""
+
+
+def test_a_loss_of_the_users_own_is_found_by_its_module_and_class(tmp_path, monkeypatch) -> None:
+    import torch
+
+    name = write_docs_loss_example(tmp_path)
+    (tmp_path / "malformed_losses.py").write_text(MALFORMED)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fn = losses.get_loss(name, scale=0.5)
+    assert fn.name == "my_losses:MeanBaselinePG" and fn.hyperparameters["scale"] == 0.5
+    assert fn.coupling(first_update=False, weighted=True) == losses.ROLLOUT  # as the class declares
+    lp = torch.tensor([[-1.0, -3.0], [-2.0, float("nan")], [-0.5, -0.5]], dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([[True, True], [True, False], [True, True]])
+    gids, rewards = torch.tensor([4, 4, 9]), torch.tensor([1.0, 0.0, 1.0], dtype=torch.float64)
+    loss, metrics = fn(lp, lp.detach(), mask, gids, rewards)
+    # Question 4: baseline 0.5, advantages +0.5 / -0.5 on token means -2 / -2; question 9: advantage 0.
+    # J = (0.5 * -2 + -0.5 * -2 + 0) / 3 = 0; the loss is -0.5 * J.
+    assert metrics["objective"] == 0.0 and loss.item() == 0.0
+    (grad,) = torch.autograd.grad(loss, lp)
+    assert grad[0, 0].item() == pytest.approx(-0.5 * 0.5 / 3 / 2)  # -scale * advantage / N / tokens
+    # The trainer's exact two passes give the same gradient, as for a registered loss.
+    stats = fn.stats(lp, lp.detach(), mask)
+    coeffs, _, _ = losses.coefficients(fn, stats, gids, rewards)
+    (two_pass,) = torch.autograd.grad(losses.surrogate(coeffs, stats), lp)
+    assert torch.equal(torch.nan_to_num(grad), torch.nan_to_num(two_pass))
+    with pytest.raises(
+        ValueError, match=r"^tau is not a parameter of my_losses:MeanBaselinePG \(disco, drpo have it\)"
+    ):
+        losses.get_loss(name, tau=1.0)
+    with pytest.raises(ValueError, match="scale=0.0: input should be greater than 0"):
+        losses.get_loss(name, scale=0.0)
+    for spec, message in (
+        ("no_such_module_here:Mean", "module 'no_such_module_here' does not import: No module named"),
+        ("my_losses:Median", "module 'my_losses' has no 'Median'"),
+        ("malformed_losses:NoParams", "NoParams.Params must be a parameter model, a subclass of losses.Hyper"),
+        ("malformed_losses:Incomplete", "Incomplete lacks stat_names, stats, objective"),
+    ):
+        with pytest.raises(ValueError, match=f"^loss '{spec}': {message}"):
+            losses.get_loss(spec)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from nemo_disco import config
+from nemo_disco import config, parts
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 # The exemplar and the CPU demo are specified and tested elsewhere (tests/unit/test_config.py, tests/functional).
@@ -25,6 +25,8 @@ QWEN_1_5B = "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B"
 QWEN_7B = "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B"
 LLAMA_8B = "deepseek-ai/DeepSeek-R1-Distill-Llama-8B"
 DEEPSCALER = "agentica-org/DeepScaleR-Preview-Dataset"
+#: What _get gives for a key the chosen loss does not have (its section holds only the loss's own parameters).
+ABSENT = "<absent>"
 
 # Shared by every paper run (paper §6, every script): 128 questions x 8 rollouts per step, mini-batches of 32
 # questions (so 128 / 32 = 4 updates per step), temperature 0.6, prompts <= 1024 tokens (script), 8k responses.
@@ -128,7 +130,7 @@ EXPECTED: dict[str, dict] = {
         **{
             "loss.clip_eps": 0.2,
             "loss.clip_eps_high": 0.28,
-            "loss.kl_coef": 0.0,
+            "loss.kl_coef": ABSENT,  # DAPO's loss has no KL term
             "algorithm.dynamic_sampling": True,
             "algorithm.overlong_buffer_tokens": 1638,
         },
@@ -143,7 +145,7 @@ EXPECTED: dict[str, dict] = {
             "loss.adv_std_norm": False,
             "loss.alpha_correction": True,
             "loss.token_norm": "question",
-            "loss.kl_coef": 0.0,
+            "loss.kl_coef": ABSENT,  # GPG's loss has no KL term (no reference model)
             "algorithm.dynamic_sampling": True,  # Alg. 1: resample until beta_th of the questions are informative
             "algorithm.min_valid_share": 0.6,  # beta_th, tab. 1
             "algorithm.max_sampling_rounds": 20,  # the authors' max_resample_attempts
@@ -152,7 +154,7 @@ EXPECTED: dict[str, dict] = {
     # TRPA (arXiv 2504.04524): the TRPA authors' main_TRPA.sh values.
     "trpa-r1qwen1.5b-1n8g-8k": _baseline(
         "trpa",
-        **{"loss.trpa_beta": 0.1, "loss.trpa_anisotropy": 2.5, "loss.tr_kl_coef": 0.001, "loss.kl_coef": 0.0},
+        **{"loss.trpa_beta": 0.1, "loss.trpa_anisotropy": 2.5, "loss.tr_kl_coef": 0.001, "loss.kl_coef": ABSENT},
     ),
 }
 
@@ -216,7 +218,7 @@ NAME = re.compile(
 def _get(cfg: config.RunConfig, dotted: str):
     value = cfg
     for part in dotted.split("."):
-        value = getattr(value, part)
+        value = getattr(value, part, ABSENT)
     return value
 
 
@@ -234,7 +236,7 @@ FAMILY_NAME = re.compile(
 @pytest.mark.parametrize("name", sorted(FAMILY_EXPECTED))
 def test_family_recipe_values_form_and_layout(name):
     """The cited values, the paper's objective kept, a name of the recipe form, a layout that fits the cluster."""
-    cfg = config.load(RECIPES / f"{name}.yaml")
+    cfg = parts.load(RECIPES / f"{name}.yaml")
     mismatches = {k: (_get(cfg, k), v) for k, v in FAMILY_EXPECTED[name].items() if _get(cfg, k) != v}
     assert mismatches == {}, f"{name}: (recipe, expected) per key"
     for key, value in {**CONSTRAINT, "loss.name": "disco", "loss.tau": 10.0, "data.train": DEEPSCALER}.items():
@@ -253,7 +255,7 @@ def test_family_recipe_values_form_and_layout(name):
 
 @pytest.mark.parametrize("name", PAPER_RECIPES)
 def test_recipe_loads_with_paper_values(name):
-    cfg = config.load(RECIPES / f"{name}.yaml")
+    cfg = parts.load(RECIPES / f"{name}.yaml")
     mismatches = {k: (_get(cfg, k), v) for k, v in EXPECTED[name].items() if _get(cfg, k) != v}
     assert mismatches == {}, f"{name}: (recipe, expected) per key"
     assert cfg.updates_per_step == 4  # 128 prompts / 32 per mini-batch
@@ -268,7 +270,7 @@ def test_recipe_form(name):
     raw = yaml.safe_load(text)
     assert raw["defaults"] == ["disco", "_self_"]
     assert NAME.match(name), name
-    cfg = config.load(RECIPES / f"{name}.yaml")
+    cfg = parts.load(RECIPES / f"{name}.yaml")
     assert cfg.logging.run_dir == f"runs/{name}"
     nodes, gpus = map(int, re.search(r"-(\d+)n(\d+)g-", name).groups())
     assert (cfg.cluster.nodes, cfg.cluster.gpus_per_node) == (nodes, gpus)
@@ -285,7 +287,7 @@ def test_recipe_sets_only_what_differs_from_the_exemplar(name):
     """Each value a recipe states differs from the exemplar's, except values that document a choice in place
     (tau, clip_eps, a zero KL coefficient, overlong penalty, GPG's, TRPA's and DRPO's own keys, run_dir): restating
     those keeps a recipe readable."""
-    exemplar = config.load(RECIPES / "disco.yaml")
+    exemplar = parts.load(RECIPES / "disco.yaml")
     raw = yaml.safe_load((RECIPES / f"{name}.yaml").read_text())
     restated_on_purpose = {"loss.tau", "loss.clip_eps", "loss.kl_coef", "algorithm.overlong_penalty"}
     restated_on_purpose |= {f"loss.{k}" for k in ("adv_std_norm", "alpha_correction", "token_norm")}
@@ -307,7 +309,7 @@ def test_async_variant_differs_from_its_base_only_in_the_rollout_layout(name):
     base_name = ASYNC_VARIANTS[name]
     raw = yaml.safe_load((RECIPES / f"{name}.yaml").read_text())
     assert raw["defaults"] == [base_name, "_self_"]
-    cfg, base = config.load(RECIPES / f"{name}.yaml"), config.load(RECIPES / f"{base_name}.yaml")
+    cfg, base = parts.load(RECIPES / f"{name}.yaml"), parts.load(RECIPES / f"{base_name}.yaml")
     assert cfg.algorithm.async_rollouts and cfg.rollout_correction == "seq_tis"
     assert cfg.generation_world_size >= 1 and cfg.launch_world_size == cfg.world_size + cfg.generation_world_size
     assert cfg.logging.run_dir == f"runs/{name}"

@@ -302,3 +302,19 @@ def _tp_worker(model_dir: str, out_dir: str) -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--tp-worker"]:
         _tp_worker(sys.argv[2], sys.argv[3])
+
+
+def test_auto_takes_transformers_for_a_head_size_the_cpu_build_refuses(tmp_path):
+    # Before: auto chose vLLM for the demo's model (head size 16), whose engine then failed after loading it.
+    from nemo_disco.config import ConfigError
+    from nemo_disco.generation.factory import choose_backend
+
+    demo = build_model(TinyModelConfig(), tmp_path / "demo", seed=0)  # hidden 64 / 4 heads: head size 16
+    backend, why = choose_backend("auto", demo)
+    assert backend == "hf" and why.startswith("auto: vLLM's CPU attention does not run head size 16 (it runs 32, "), why
+    with pytest.raises(ConfigError, match=r"^--backend vllm: vLLM's CPU attention does not run head size 16 "):
+        choose_backend("vllm", demo)
+    assert choose_backend("auto", build_model(_tiny(True), tmp_path / "h64", seed=0)) == (
+        "vllm",
+        "auto: vLLM is usable here",
+    )
