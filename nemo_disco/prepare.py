@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nemo_disco.config import GradingConfig
 from nemo_disco.data import (
     BENCHMARKS,
     load_problems,
@@ -349,9 +350,9 @@ def prepare(
     answer_key: str | None = None,
     dedup: bool = True,
     check_answers: bool = True,
-    grader: str = "math_verify",
-    workers: int = 2,
-    timeout_s: float = 5.0,
+    grader: str = GradingConfig().grader,
+    workers: int = GradingConfig().workers,
+    timeout_s: float = GradingConfig().timeout_s,
     benchmarks: Sequence[str] = BENCHMARKS,
     drop_overlap: bool = False,
     strict: bool = False,

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from nemo_disco.config import GradingConfig
 from nemo_disco.data import BENCHMARKS, load_problems, resolve_benchmark
 from nemo_disco.evaluation.compare import Comparison, RunsSummary
 from nemo_disco.evaluation.summary import EvalSummary, summarize
@@ -25,6 +26,8 @@ from nemo_disco.files import naming_failed_write
 from nemo_disco.stats import DEFAULT_CONFIDENCE, DEFAULT_REPLICATES
 
 logger = logging.getLogger(__name__)
+#: The grading defaults: the schema's (training's ``reward.*``, the evaluation's ``reward.*``).
+_GRADING = GradingConfig()
 
 RESPONSES_FILE = "responses.jsonl"
 
@@ -120,12 +123,12 @@ def benchmark_key(name_or_path: str) -> str:
 def grade_responses_file(
     path: str | os.PathLike,
     benchmarks: Sequence[str] | None = None,
-    grader: str = "math_verify",
+    grader: str = _GRADING.grader,
     *,
     out_dir: str | os.PathLike | None = None,
     regrade: bool = False,
-    timeout_s: float = 5.0,
-    workers: int = 2,
+    timeout_s: float = _GRADING.timeout_s,
+    workers: int = _GRADING.workers,
     replicates: int = DEFAULT_REPLICATES,
     seed: int = 0,
     resample_samples: bool = True,

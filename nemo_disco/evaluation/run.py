@@ -22,10 +22,11 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from nemo_disco.config import OWN_GPU_MEMORY_UTILIZATION
-from nemo_disco.data import DEFAULT_TEMPLATE, encode_prompts, quiet_hub_logs
+from nemo_disco import config as config_lib
+from nemo_disco.config import EvalConfig
+from nemo_disco.data import encode_prompts, quiet_hub_logs
 from nemo_disco.evaluation.records import (
     RESPONSES_FILE,
     append_records,
@@ -38,23 +39,28 @@ from nemo_disco.evaluation.summary import EvalSummary
 from nemo_disco.files import WriteError
 from nemo_disco.generation.factory import build_generator, choose_backend, stop_token_ids
 from nemo_disco.models import check_model
-from nemo_disco.stats import DEFAULT_REPLICATES
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "DEFAULT_CHUNK_PROBLEMS",
     "EXIT_TERMINATED",
     "Terminated",
     "chunk_seed",
+    "converted_model",
     "evaluate_model",
+    "load_config",
+    "results_dir",
+    "run_checkpoint",
     "sigterm_as_ctrl_c",
 ]
 
 
 EVAL_PARTIAL = "partial"
 EVAL_SETTINGS = "settings.json"
-DEFAULT_CHUNK_PROBLEMS = 32
+#: The file a Hugging Face folder converted from a run's checkpoint names its source in (:func:`converted_model`).
+CONVERTED_FROM = "converted_from.json"
+#: The results folder without ``out``, for a model (a run's checkpoint: ``<run>/eval/<checkpoint>``).
+DEFAULT_RESULTS = "eval_results"
 #: how long a process that has finished its share waits for the others (a barrier) before giving up.
 _WAIT_MINUTES = 24 * 60
 
@@ -189,39 +195,131 @@ def _eval_group(world: int) -> Any:
     return distributed.new_gloo_group(_WAIT_MINUTES)
 
 
+def load_config(
+    recipe: str | os.PathLike | None,
+    overrides: Sequence[str] = (),
+    flags: Mapping[str, tuple[str, Any]] | None = None,
+) -> EvalConfig:
+    """An evaluation's config: :func:`nemo_disco.config.load_eval`, with a run's checkpoint's settings.
+
+    For ``run`` (a training run's folder), the checkpoint's saved ``config.yaml`` gives the prompt template,
+    chat-template settings and lengths (:data:`~nemo_disco.config.RUN_KEYS`) over the recipe's, unless the command
+    line gives them; ``checkpoint`` is resolved (null: the run's newest complete one) and ``out`` defaults to
+    ``<run>/eval/<checkpoint>``.
+
+    Raises:
+        ConfigError: one line naming the file and line, or the override or flag, and the key.
+        ValueError / FileNotFoundError: no such run or checkpoint (one line naming what the run holds).
+    """
+    cfg = config_lib.load_eval(recipe, overrides, flags=dict(flags or {}))
+    if cfg.run is None:
+        return cfg
+    step = run_checkpoint(cfg.run, cfg.checkpoint)
+    run_dir = step.parent.parent
+    saved = next((f for f in (step / "config.yaml", run_dir / "config.yaml") if f.is_file()), None)
+    if saved is None:
+        raise FileNotFoundError(
+            f"{step}: no config.yaml with the checkpoint or in {run_dir}: is it a run's checkpoint?"
+        )
+    values = config_lib.run_values(saved)
+    if cfg.checkpoint is None:
+        values["checkpoint"] = step.name
+    if cfg.out is None:
+        values["out"] = str(Path(cfg.run) / "eval" / step.name)
+    return config_lib.load_eval(recipe, overrides, run=values, flags=dict(flags or {}))
+
+
+def run_checkpoint(run: str | os.PathLike, checkpoint: str | None) -> Path:
+    """The folder of a run's checkpoint: ``step_N`` (or ``N``) in ``<run>/checkpoints``; None: the newest complete one.
+
+    Raises:
+        FileNotFoundError: no such run folder.
+        ValueError: no such checkpoint (one line naming those the run holds).
+    """
+    from nemo_disco import checkpoint as checkpoints
+
+    run_dir = Path(run)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"run folder not found: {run_dir}")
+    if checkpoint is None:
+        newest = checkpoints.latest_checkpoint(run_dir)
+        if newest is None:
+            raise ValueError(f"run {run_dir} holds no complete checkpoint ({checkpoints.checkpoint_root(run_dir)})")
+        return newest
+    name = checkpoint if checkpoint.startswith("step_") else f"step_{checkpoint}"
+    path = checkpoints.checkpoint_root(run_dir) / name
+    if not path.is_dir():
+        held = ", ".join(p.name for _, p in checkpoints.list_checkpoints(run_dir)) or "none"
+        raise ValueError(f"run {run_dir} has no checkpoint {name} (it holds: {held})")
+    return path
+
+
+def converted_model(step: Path) -> Path:
+    """A Hugging Face folder of a run's checkpoint, ``<run>/hf/<step_N>``: converted now, or reused if it was before.
+
+    A folder converted from this checkpoint before (:data:`CONVERTED_FROM` names the checkpoint's manifest) is
+    reused; otherwise the checkpoint is verified and converted (:func:`nemo_disco.convert.checkpoint_to_hf`, either
+    policy backend) into a temporary folder beside it, moved into place once complete. Launched with several
+    processes (data-parallel engines), every process takes part (a Megatron checkpoint converts collectively) and
+    process 0 writes.
+
+    Raises:
+        ValueError: not a checkpoint, or a damaged one (one line naming it).
+    """
+    from nemo_disco import convert, distributed, files
+
+    out = step.parent.parent / "hf" / step.name
+    manifest = step / "manifest.json"
+    source = {
+        "checkpoint": str(step.resolve()),
+        "manifest_sha256": hashlib.sha256(manifest.read_bytes()).hexdigest() if manifest.is_file() else None,
+    }
+    marker = out / CONVERTED_FROM
+    if marker.is_file() and source["manifest_sha256"] and json.loads(marker.read_text()) == source:
+        if distributed.read_env().is_main:
+            print(f"evaluating {out} (converted from {step} before)", file=sys.stderr)
+        return out
+    env = distributed.read_env()
+    if env.world_size > 1:
+        distributed.init(timeout_minutes=_WAIT_MINUTES)
+    tmp = out.with_name(f".{out.name}.partial")
+    if env.is_main and tmp.exists():
+        shutil.rmtree(tmp)
+    distributed.barrier()
+    try:
+        convert.checkpoint_to_hf(step, tmp)
+    except BaseException:
+        if env.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if env.is_main:
+        (tmp / CONVERTED_FROM).write_text(json.dumps(source, indent=1) + "\n")
+        files.replace_folder(tmp, out)
+        print(f"converted {step} to {out}", file=sys.stderr)
+    distributed.barrier()
+    return out
+
+
+def results_dir(cfg: EvalConfig) -> Path:
+    """The results folder: ``out``; else ``<run>/eval/<checkpoint>`` for a checkpoint, or :data:`DEFAULT_RESULTS`."""
+    if cfg.out is not None:
+        return Path(cfg.out)
+    if cfg.run is not None:
+        return Path(cfg.run) / "eval" / run_checkpoint(cfg.run, cfg.checkpoint).name
+    return Path(DEFAULT_RESULTS)
+
+
 def evaluate_model(
-    model_dir: str | os.PathLike,
-    benchmarks: Sequence[str],
+    cfg: EvalConfig,
+    model_dir: str | os.PathLike | None = None,
     *,
-    samples: int = 16,
-    temperature: float = 0.6,
-    top_p: float = 0.95,
-    max_tokens: int = 8192,
-    backend: Literal["auto", "hf", "vllm"] = "auto",
-    out_dir: str | os.PathLike = "eval_results",
-    grader: str = "math_verify",
-    seed: int = 0,
-    max_problems: int | None = None,
-    template: str = DEFAULT_TEMPLATE,
-    use_chat_template: bool = True,
-    max_prompt_tokens: int | None = None,
-    chat_template_kwargs: Mapping[str, Any] | None = None,
-    timeout_s: float = 5.0,
-    workers: int = 2,
-    tensor_parallel_size: int = 1,
-    gpu_memory_utilization: float = OWN_GPU_MEMORY_UTILIZATION,
-    enforce_eager: bool = False,
     generator: Any | None = None,
-    replicates: int = DEFAULT_REPLICATES,
-    bootstrap_seed: int = 0,
-    resample_samples: bool = True,
-    chunk_problems: int = DEFAULT_CHUNK_PROBLEMS,
     overwrite: bool = False,
 ) -> EvalSummary | None:
-    """Sample ``samples`` responses per benchmark problem, grade them, write and return the pass@k table.
+    """Sample ``generation.samples`` responses per benchmark problem, grade them, write and return the pass@k table.
 
-    Nothing is lost: the problems are cut into chunks of ``chunk_problems``; each chunk's graded records are
-    appended to ``out_dir/partial/part-<engine>.jsonl`` (flushed) as soon as it is done, and a rerun with the
+    Nothing is lost: the problems are cut into chunks of ``generation.chunk_problems``; each chunk's graded records
+    are appended to ``<out>/partial/part-<engine>.jsonl`` (flushed) as soon as it is done, and a rerun with the
     same settings continues from the chunks already written (one log line says how many). Each chunk is
     sampled with its own seed (:func:`chunk_seed`), so an interrupted and continued evaluation, or one split
     over data-parallel engines, gives exactly the records of an uninterrupted single-engine run. At the end
@@ -229,45 +327,21 @@ def evaluate_model(
     a finished result is refused unless ``overwrite``. An evaluation that fails (or is interrupted) before its
     first record is written leaves no ``partial/`` behind.
 
-    Data parallel: launched by torchrun / srun with W processes (one per GPU), the job runs W / ``tensor_
-    parallel_size`` engines, each generating every E-th remaining chunk; process 0 merges. Every process calls
-    this function; only process 0 returns the table (the others None).
+    Data parallel: launched by torchrun / srun with W processes (one per GPU), the job runs W /
+    ``generation.tensor_parallel_size`` engines, each generating every E-th remaining chunk; process 0 merges.
+    Every process calls this function; only process 0 returns the table (the others None).
 
     Args:
-        model_dir: Hugging Face model folder (weights + tokenizer).
-        benchmarks: benchmark names (``aime``, ``math``, ...) or DeepScaleR-format files.
-        samples: responses per problem (the paper: 16).
-        temperature: sampling temperature (the paper: 0.6).
-        top_p: nucleus sampling (the authors' evaluation: 0.95).
-        max_tokens: longest response (the paper: 8192 or 32768).
-        backend: "vllm", "hf" (transformers generate) or "auto" (vLLM where it imports and finds a device,
-            else hf; :func:`~nemo_disco.generation.factory.choose_backend`) when ``generator`` is None.
-        out_dir: where the records and the tables are written.
-        grader: "math_verify" or "deepscaler".
-        seed: sampling seed (each chunk's seed derives from it, the benchmark and the chunk's index).
-        max_problems: only the first N problems of each benchmark (smoke tests).
-        template: prompt template (:func:`nemo_disco.data.format_prompt`).
-        use_chat_template: wrap prompts in the tokenizer's chat template.
-        max_prompt_tokens: drop (and log) longer prompts; None keeps all.
-        chat_template_kwargs: extra chat-template variables (Qwen3: ``{"enable_thinking": True}``), as
-            ``data.chat_template_kwargs`` in training.
-        timeout_s: per-item grading limit.
-        workers: grading processes (per engine).
-        tensor_parallel_size: vLLM tensor parallelism (processes per engine).
-        gpu_memory_utilization: vLLM's share of each GPU (the engine has it to itself: no sleep mode).
-        enforce_eager: vLLM without CUDA graphs (slower decoding; a way round a graph capture problem).
-        generator: an already built Generator (then ``backend`` is unused and it is not shut down here).
-        replicates: bootstrap replicates of the intervals (0: none).
-        bootstrap_seed: bootstrap seed.
-        resample_samples: the bootstrap redraws samples within problems too (False: problems only).
-        chunk_problems: problems per generation call: the unit of progress, resumption and data-parallel
-            sharing. Part of the sampling: another value draws other responses.
-        overwrite: replace a finished result in ``out_dir``, or an interrupted one with other settings.
+        cfg: the evaluation (:class:`~nemo_disco.config.EvalConfig`: every setting and its default); a run's
+            checkpoint (``cfg.run``) is converted to a Hugging Face folder first (:func:`converted_model`).
+        model_dir: the Hugging Face folder to evaluate instead of ``cfg.model`` / ``cfg.run``'s checkpoint.
+        generator: an already built Generator (then ``generation.backend`` is unused and it is not shut down here).
+        overwrite: replace a finished result in the results folder, or an interrupted one with other settings.
 
     Raises:
         ValueError / FileNotFoundError: a model that cannot be loaded (one line naming it and what was
-            tried), bad benchmark names, files or settings, an ``out_dir`` that cannot be written or holds
-            another evaluation, ``backend="vllm"`` where vLLM cannot run (all before any work).
+            tried), bad benchmark names, files or settings, a results folder that cannot be written or holds
+            another evaluation, ``generation.backend=vllm`` where vLLM cannot run (all before any work).
     """
     from transformers import AutoTokenizer
 
@@ -275,56 +349,63 @@ def evaluate_model(
     from nemo_disco.generation.base import SamplingParams
     from nemo_disco.rewards import GraderPool
 
-    if samples < 1 or max_tokens < 1 or chunk_problems < 1:
-        raise ValueError(f"samples={samples}, max_tokens={max_tokens} and chunk_problems={chunk_problems} must be >= 1")
+    g, d = cfg.generation, cfg.data
+    samples, max_tokens, seed, tensor_parallel_size = g.samples, g.max_response_tokens, g.seed, g.tensor_parallel_size
     env = distributed.read_env()
-    if generator is None:  # before any work: a --backend vllm that cannot run is refused here
-        backend, why = choose_backend(backend, model_dir)
+    step = run_checkpoint(cfg.run, cfg.checkpoint) if model_dir is None and cfg.run is not None else None
+    model_dir = model_dir if model_dir is not None else cfg.model
+    if model_dir is None and step is None:
+        raise ValueError("nothing to evaluate: give a model (--model HF_DIR) or a run's checkpoint (--run RUN_DIR)")
+    if generator is None:  # before any work (a conversion too): a --backend vllm that cannot run is refused here
+        backend, why = choose_backend(g.backend, step / "policy" if step is not None else model_dir)
     if env.world_size % tensor_parallel_size:
         raise ValueError(
-            f"--tp {tensor_parallel_size} does not divide the {env.world_size} processes of the job (one per GPU)"
+            f"--tp {tensor_parallel_size} (generation.tensor_parallel_size) does not divide the {env.world_size} "
+            "processes of the job (one per GPU)"
         )
+    if step is not None:
+        model_dir = converted_model(step)
     engines, engine, tp_rank = (
         env.world_size // tensor_parallel_size,
         env.rank // tensor_parallel_size,
         env.rank % tensor_parallel_size,
     )
-    out = Path(out_dir)
+    out = Path(results_dir(cfg))
     check_model(model_dir)
     with quiet_hub_logs():
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     sets = []
-    for bench in benchmarks:
+    for bench in cfg.benchmark_names:
         problems = benchmark_problems(bench)
-        problems = problems[:max_problems] if max_problems else problems
+        problems = problems[: d.max_problems] if d.max_problems else problems
         ids, kept, dropped = encode_prompts(
             tokenizer,
             problems,
-            template=template,
-            use_chat_template=use_chat_template,
-            max_prompt_tokens=max_prompt_tokens,
-            chat_template_kwargs=chat_template_kwargs,
+            template=d.prompt_template,
+            use_chat_template=d.use_chat_template,
+            max_prompt_tokens=g.max_prompt_tokens,
+            chat_template_kwargs=d.chat_template_kwargs,
         )
         if dropped and env.is_main:
-            logger.warning("%s: %d prompts over %s tokens left out", bench, dropped, max_prompt_tokens)
+            logger.warning("%s: %d prompts over %s tokens left out", bench, dropped, g.max_prompt_tokens)
         sets.append((benchmark_key(bench), [problems[i] for i in kept], ids))
-    chunks = _chunks(sets, chunk_problems)
+    chunks = _chunks(sets, g.chunk_problems)
     settings = json.loads(
         json.dumps(
             {
                 "model": str(Path(model_dir).resolve()) if Path(model_dir).is_dir() else str(model_dir),
                 "benchmarks": {bench: [p.index for p in problems] for bench, problems, _ in sets},
                 "samples": samples,
-                "temperature": temperature,
-                "top_p": top_p,
+                "temperature": g.temperature,
+                "top_p": g.top_p,
                 "max_tokens": max_tokens,
                 "backend": backend if generator is None else type(generator).__name__,
-                "grader": grader,
+                "grader": cfg.reward.grader,
                 "seed": seed,
-                "template": template,
-                "use_chat_template": use_chat_template,
-                "chat_template_kwargs": dict(chat_template_kwargs or {}),
-                "chunk_problems": chunk_problems,
+                "template": d.prompt_template,
+                "use_chat_template": d.use_chat_template,
+                "chat_template_kwargs": dict(d.chat_template_kwargs),
+                "chunk_problems": g.chunk_problems,
             }
         )
     )
@@ -374,21 +455,23 @@ def evaluate_model(
                 max_model_len=longest + max_tokens,
                 tensor_parallel_size=tensor_parallel_size,
                 engine={
-                    "gpu_memory_utilization": gpu_memory_utilization,
-                    "enforce_eager": enforce_eager,
+                    "gpu_memory_utilization": g.gpu_memory_utilization,
+                    "enforce_eager": g.enforce_eager,
                     "sleep_level": 0,
                 },
             )
         sampling = SamplingParams(
-            temperature=temperature,
-            top_p=top_p,
+            temperature=g.temperature,
+            top_p=g.top_p,
             max_tokens=max_tokens,
             stop_token_ids=stop_token_ids(tokenizer),
             seed=seed,
         )
         who = f"engine {engine + 1}/{engines}: " if engines > 1 else ""
         start = time.monotonic()
-        with GraderPool(grader, timeout_s=timeout_s, workers=workers) if writer and mine else nullcontext() as pool:
+        r = cfg.reward
+        grading = GraderPool(r.grader, timeout_s=r.timeout_s, workers=r.workers) if writer and mine else nullcontext()
+        with grading as pool:
             for n, chunk in enumerate(mine, 1):
                 chunk_sampling = replace(sampling, seed=chunk_seed(seed, chunk.benchmark, chunk.index))
                 rollouts = generator.generate(chunk.prompt_ids, samples, chunk_sampling)  # [P][samples]
@@ -438,9 +521,8 @@ def evaluate_model(
         raise RuntimeError(f"{out / EVAL_PARTIAL}: chunks {missing[:3]} are missing after generation")
     records = [r for c in chunks for r in complete[c.key]]
     try:
-        summary = write_results(
-            records, out, replicates=replicates, seed=bootstrap_seed, resample_samples=resample_samples
-        )
+        b = cfg.bootstrap
+        summary = write_results(records, out, replicates=b.replicates, seed=b.seed, resample_samples=b.resample_samples)
     except WriteError as err:
         raise _kept(err, out / EVAL_PARTIAL) from err
     shutil.rmtree(out / EVAL_PARTIAL, ignore_errors=True)

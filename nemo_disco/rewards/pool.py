@@ -188,9 +188,9 @@ class GraderPool:
     def __init__(
         self,
         grader: str = "math_verify",
-        timeout_s: float = 5.0,
-        workers: int = 2,
         *,
+        timeout_s: float,
+        workers: int,
         require_think: bool = False,
         kill_grace_s: float = 0.5,
         memory_limit_mb: int | None = 4096,
@@ -429,8 +429,8 @@ def score_batch(
     ground_truths: Sequence[str | list[str]],
     *,
     grader: str = "math_verify",
-    timeout_s: float = 5.0,
-    workers: int = 2,
+    timeout_s: float,
+    workers: int,
     require_think: bool = False,
 ) -> tuple[list[float], dict[str, float]]:
     """Grade a batch in a temporary :class:`GraderPool` (hard per-item timeout); order is preserved.

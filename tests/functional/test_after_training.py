@@ -69,8 +69,8 @@ def test_a_demo_checkpoint_converts_and_evaluates(run, tmp_path):
         f"nemo-disco convert: error: {hf} is not empty: pass --overwrite to replace it, or choose another --out"
     )
     assert _cli("convert", "--checkpoint", str(step), "--out", str(hf), "--overwrite").returncode == 0
-    # The README's command for the demo's model (its task, its prompt format), on a few problems, plus one
-    # shipped benchmark (the list written with a space after the comma).
+    # The demo's evaluation settings (recipes/eval/demo.yaml) as flags, on a few problems, plus one shipped benchmark
+    # (the list written with a space after the comma).
     out = tmp_path / "eval"
     proc = _cli("eval", "--model", str(hf), "--backend", "hf", "--benchmarks", "synthetic:arithmetic-heldout, aime",
                 "--prompt-template", "{problem}=", "--no-chat-template", "--samples", "2", "--temperature", "1.0",
@@ -83,6 +83,52 @@ def test_a_demo_checkpoint_converts_and_evaluates(run, tmp_path):
         "| synthetic:arithmetic-heldout | 3 | 2 |" in proc.stdout and f"results: {out}/responses.jsonl" in proc.stdout
     )
     assert "problems 2-2: 2 responses graded and written; 2/4 chunks" in proc.stderr  # progress, per chunk
+
+
+def test_a_runs_checkpoint_evaluates_with_the_runs_prompt_and_lengths(run, tmp_path):
+    """``eval --run RUN --checkpoint step_2``: converted on the way to RUN/hf/step_2, evaluated with the run's prompt
+    template, chat-template setting and lengths over the recipe's, into RUN/eval/step_2; the responses are those of
+    ``--model`` on the converted folder with the run's settings given by hand."""
+    import yaml
+
+    step, hf = run / "checkpoints" / "step_2", run / "hf" / "step_2"
+    paper = ["eval", "--config", "recipes/eval/paper.yaml", "--run", str(run)]
+    proc = _cli(*paper, "--checkpoint", "step_2", "--print-config")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    printed = yaml.safe_load(proc.stdout)
+    assert (printed["data"]["prompt_template"], printed["data"]["use_chat_template"]) == ("{problem}=", False)
+    assert (printed["generation"]["max_prompt_tokens"], printed["generation"]["max_response_tokens"]) == (32, 12)
+    assert printed["generation"]["samples"] == 16 and printed["generation"]["top_p"] == 0.95  # the recipe's
+    assert (printed["checkpoint"], printed["out"]) == ("step_2", str(run / "eval" / "step_2"))
+    # The command line comes last; without --checkpoint, the newest complete one.
+    proc = _cli(*paper, "generation.max_response_tokens=8", "--max-prompt-tokens", "20", "--print-config")
+    printed = yaml.safe_load(proc.stdout)
+    assert (printed["generation"]["max_prompt_tokens"], printed["generation"]["max_response_tokens"]) == (20, 8)
+    assert printed["checkpoint"] == "step_2"
+    assert not hf.exists()  # printing converts nothing
+
+    small = ["--benchmarks", "synthetic:arithmetic-heldout", "--samples", "2", "--max-problems", "3", "--backend", "hf",
+             "--temperature", "1.0", "--top-p", "1.0", "--workers", "1", "--bootstrap", "0"]  # fmt: skip
+    proc = _cli(*paper, "--checkpoint", "2", *small)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"converted {step} to {hf}" in proc.stderr
+    assert f"results: {run / 'eval' / 'step_2' / 'responses.jsonl'}" in proc.stdout
+    assert json.loads((hf / "converted_from.json").read_text())["checkpoint"] == str(step.resolve())
+    by_hand = _cli("eval", "--model", str(hf), *small, "--prompt-template", "{problem}=", "--no-chat-template",
+                   "--max-tokens", "12", "--max-prompt-tokens", "32", "--out", str(tmp_path / "by-hand"))  # fmt: skip
+    assert by_hand.returncode == 0, by_hand.stderr[-3000:]
+    responses = (run / "eval" / "step_2" / "responses.jsonl").read_text()
+    assert responses == (tmp_path / "by-hand" / "responses.jsonl").read_text() and len(responses.splitlines()) == 6
+    # Again: the converted folder is reused; the finished result is replaced only with --overwrite.
+    again = _cli(*paper, "--checkpoint", "step_2", *small)
+    assert again.returncode == 2 and "already holds an evaluation" in again.stderr
+    again = _cli(*paper, "--checkpoint", "step_2", *small, "--overwrite")
+    assert again.returncode == 0 and f"evaluating {hf} (converted from {step} before)" in again.stderr
+    assert (run / "eval" / "step_2" / "responses.jsonl").read_text() == responses
+    # A checkpoint the run does not hold: one line naming those it holds.
+    proc = _cli("eval", "--run", str(run), "--checkpoint", "step_7", "--print-config")
+    assert proc.returncode == 2
+    assert proc.stderr == f"nemo-disco eval: error: run {run} has no checkpoint step_7 (it holds: step_2)\n"
 
 
 def test_a_damaged_checkpoint_is_refused_in_one_line(run, tmp_path):

@@ -175,13 +175,14 @@ def test_the_users_openmp_settings_and_launched_or_synchronous_runs_are_left_alo
         (["--max-tokens", "0"], "--max-tokens 0: must be greater than or equal to 1 (as generation.max_response_"),
         (["--tp", "0"], "--tp 0: must be greater than or equal to 1 (as generation.tensor_parallel_size in a recipe)"),
         (["--workers", "0"], "--workers 0: must be greater than or equal to 1 (as reward.workers in a recipe)"),
-        (["--max-problems", "0"], "--max-problems 0: must be greater than or equal to 1 (as data.val_max_problems"),
-        (["--chunk-problems", "0"], "--chunk-problems 0: must be >= 1"),
-        (["--bootstrap", "-1"], "--bootstrap -1: must be >= 0"),
+        (["--max-problems", "0"], "--max-problems 0: must be greater than or equal to 1 (as data.max_problems in a "),
+        (["--chunk-problems", "0"], "--chunk-problems 0: must be greater than or equal to 1 (as generation.chunk_prob"),
+        (["--bootstrap", "-1"], "--bootstrap -1: must be greater than or equal to 0 (as bootstrap.replicates in a "),
     ],
 )
 def test_eval_refuses_what_training_refuses_before_any_work(tiny_qwen2, tmp_path, capsys, argv, line):
-    """The ranges are the config keys' own (config.check_value); nothing is generated or written."""
+    """The ranges are the keys' own (config.check_value on config.EvalConfig, whose sampling keys take training's
+    ranges); nothing is generated or written."""
     out = tmp_path / "out"
     base = ["eval", "--model", str(tiny_qwen2), "--backend", "hf", "--benchmarks", "aime", "--max-problems", "1"]
     assert cli.main([*base, "--samples", "1", "--max-tokens", "2", "--out", str(out), *argv]) == 2
@@ -432,3 +433,142 @@ def test_eval_on_a_full_disk_names_the_file_and_keeps_the_responses_for_a_rerun(
     assert cli.main(argv) == 0
     assert f"resuming the evaluation in {small_out}: " in capsys.readouterr().err
     assert len((small_out / "responses.jsonl").read_text().splitlines()) == 40
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# eval configured like training: recipes/eval/*.yaml, key=value overrides, flags as shorthands for keys
+
+EVAL_RECIPES = sorted((Path(__file__).resolve().parents[2] / "recipes" / "eval").glob("*.yaml"))
+
+
+def _eval_config(capsys, *argv: str) -> dict:
+    """``eval ... --print-config``: the resolved config, read back."""
+    import yaml
+
+    assert cli.main(["eval", *argv, "--print-config"]) == 0, capsys.readouterr().err
+    return yaml.safe_load(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("recipe", EVAL_RECIPES, ids=lambda p: p.stem)
+def test_each_shipped_eval_recipe_prints_its_resolved_config(recipe, capsys):
+    import yaml
+
+    printed = _eval_config(capsys, "--config", str(recipe))
+    assert config.EvalConfig.model_validate(printed) == config.load_eval(recipe)  # every key, validated
+    stated = yaml.safe_load(recipe.read_text())
+    for section, values in stated.items():  # what the recipe states is what is printed
+        for key, value in values.items():
+            assert printed[section][key] == value, f"{section}.{key}"
+
+
+def test_the_paper_and_demo_eval_recipes_hold_their_protocols(capsys):
+    paper = config.load_eval(EVAL_RECIPES[[p.stem for p in EVAL_RECIPES].index("paper")])
+    g = paper.generation
+    assert (g.samples, g.temperature, g.top_p, g.max_response_tokens, g.max_prompt_tokens) == (
+        16,
+        0.6,
+        0.95,
+        8192,
+        1536,
+    )
+    assert paper.benchmark_names == list(config.PAPER_BENCHMARKS)
+    # The demo's: its validation (recipes/tiny-cpu.yaml) measures with these settings.
+    demo = config.load_eval(EVAL_RECIPES[[p.stem for p in EVAL_RECIPES].index("demo")])
+    tiny = config.load(RECIPE)
+    assert demo.benchmark_names == [tiny.data.val] and demo.data.max_problems == tiny.data.val_max_problems
+    assert (
+        demo.generation.samples == tiny.data.val_samples and demo.generation.temperature == tiny.generation.temperature
+    )
+    assert (demo.data.prompt_template, demo.data.use_chat_template) == (tiny.data.prompt_template, False)
+    assert demo.generation.max_response_tokens == tiny.generation.max_response_tokens
+    assert demo.generation.max_prompt_tokens == tiny.generation.max_prompt_tokens
+
+
+def test_a_bad_key_or_value_in_an_eval_recipe_is_one_line_naming_file_and_line(tmp_path, capsys):
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("defaults:\n  - paper\n  - _self_\n\ngeneration:\n  samples: 4\n  top_p: 2\n")
+    assert cli.main(["eval", "--config", str(recipe), "--print-config"]) == 2
+    assert capsys.readouterr().err == (
+        f"nemo-disco eval: error: {recipe}:7: generation.top_p=2: Input should be less than or equal to 1\n"
+    )
+    recipe.write_text("defaults:\n  - paper\n  - _self_\n\ngeneration:\n  samplez: 4\n")
+    assert cli.main(["eval", "--config", str(recipe), "--model", "m"]) == 2
+    unknown = "unknown config key 'generation.samplez' (did you mean generation.samples?)"
+    assert capsys.readouterr().err == f"nemo-disco eval: error: {recipe}:6: {unknown}\n"
+    # The same value on the command line names the override, not the file.
+    assert cli.main(["eval", "--config", str(EVAL_RECIPES[0]), "generation.top_p=2", "--print-config"]) == 2
+    assert (
+        capsys.readouterr().err
+        == "nemo-disco eval: error: generation.top_p=2: Input should be less than or equal to 1\n"
+    )
+    assert cli.main(["eval", "generation.temprature=1", "--print-config"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown config key 'generation.temprature'" in err and "temperature?" in err
+
+
+# A value for every flag that stands for a key, and that key's value in an override.
+FLAG_VALUES = {
+    "model": ("m/x", "m/x"),
+    "out": ("o", "o"),
+    "benchmarks": ("aime, math", "[aime,math]"),
+    "max_problems": ("3", "3"),
+    "prompt_template": ("Q: {problem}", "'Q: {problem}'"),
+    "no_chat_template": (None, "false"),
+    "chat_template_kwargs": ('{"enable_thinking": true}', "{enable_thinking:true}"),
+    "backend": ("hf", "hf"),
+    "samples": ("4", "4"),
+    "temperature": ("1.0", "1.0"),
+    "top_p": ("0.5", "0.5"),
+    "max_tokens": ("12", "12"),
+    "max_prompt_tokens": ("32", "32"),
+    "seed": ("7", "7"),
+    "chunk_problems": ("5", "5"),
+    "tp": ("2", "2"),
+    "gpu_memory_utilization": ("0.5", "0.5"),
+    "enforce_eager": (None, "true"),
+    "grader": ("deepscaler", "deepscaler"),
+    "timeout": ("9", "9"),
+    "workers": ("3", "3"),
+    "bootstrap": ("10", "10"),
+    "bootstrap_seed": ("5", "5"),
+    "bootstrap_problems_only": (None, "false"),
+}
+
+
+@pytest.mark.parametrize("attr", sorted(set(cli.EVAL_FLAGS) - {"run", "checkpoint"}))
+def test_each_eval_flag_is_its_key(attr, capsys):
+    """A flag gives the config its key=value gives; both given must agree (the same value: taken; another: refused)."""
+    flag_value, key_value = FLAG_VALUES[attr]
+    key, flag = cli.EVAL_FLAGS[attr], "--" + attr.replace("_", "-")
+    as_flag = [flag] if flag_value is None else [flag, flag_value]
+    by_flag = _eval_config(capsys, *as_flag)
+    by_key = _eval_config(capsys, f"{key}={key_value}")
+    assert by_flag == by_key != _eval_config(capsys)
+    assert _eval_config(capsys, *as_flag, f"{key}={key_value}") == by_key
+    if key not in ("data.use_chat_template", "generation.enforce_eager", "bootstrap.resample_samples"):
+        assert cli.main(["eval", *as_flag, f"{key}=0.125", "--print-config"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"nemo-disco eval: error: {flag} ") and "set the same key to two values" in err
+
+
+def test_eval_defaults_live_in_the_schema_only():
+    """The flags default to None (not given: the key's default); evaluate_model takes the config: one place."""
+    import inspect
+
+    from nemo_disco.evaluation.run import evaluate_model
+
+    parser = cli.build_parser()._subparsers._group_actions[0].choices["eval"]
+    defaults = {a.dest: a.default for a in parser._actions}
+    assert {attr: defaults[attr] for attr in cli.EVAL_FLAGS} == dict.fromkeys(cli.EVAL_FLAGS)
+    assert list(inspect.signature(evaluate_model).parameters) == ["cfg", "model_dir", "generator", "overwrite"]
+    # The help shows the schema's defaults; grading's are training's reward keys.
+    help_text = " ".join(parser.format_help().split())
+    assert (
+        "(default: 1536) [generation.max_prompt_tokens]" in help_text
+        and "(default: 0.95) [generation.top_p]" in help_text
+    )
+    reward, grading = config.RewardConfig(), config.EvalConfig().reward
+    assert (grading.grader, grading.timeout_s, grading.workers) == (reward.grader, reward.timeout_s, reward.workers)
+    data = cli.build_parser()._subparsers._group_actions[0].choices["data"]
+    prepare = {a.dest: a.default for a in data._subparsers._group_actions[0].choices["prepare"]._actions}
+    assert (prepare["workers"], prepare["timeout"]) == (reward.workers, reward.timeout_s)

@@ -1,3 +1,4 @@
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -146,6 +147,40 @@ def test_unknown_key_is_named_in_the_inherited_recipe_that_sets_it(tmp_path):
     assert message.startswith(f"{tmp_path / 'mid.yaml'}:5: unknown config key 'algorithm.step' (did you mean ")
     assert message.endswith("(and 1 more: losss)")
     assert "\n" not in message
+
+
+def test_a_wrong_value_is_named_with_the_file_and_line_that_set_it(tmp_path):
+    """As an unknown key is: the recipe (here one a recipe inherits) and the line; an override: the override."""
+    for name, text in [
+        ("mid", "defaults: [disco, _self_]\ngeneration:\n  top_p: 1.5\n"),
+        ("leaf", "defaults: [mid]\n"),
+    ]:
+        (tmp_path / f"{name}.yaml").write_text(text)
+    message = "generation.top_p=1.5: Input should be less than or equal to 1"
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(tmp_path / 'mid.yaml'))}:3: {re.escape(message)}$"):
+        config.load(tmp_path / "leaf.yaml")
+    with pytest.raises(ConfigError, match=r"^generation.top_p=2: Input should be less than or equal to 1$"):
+        config.load(tmp_path / "leaf.yaml", ["generation.top_p=2"])
+
+
+def test_an_evaluation_composes_like_a_recipe_and_takes_a_runs_prompt_and_lengths(tmp_path):
+    """Schema defaults < eval recipe < the run's saved values < the command line (overrides and flags)."""
+    run_cfg = config.load(EXEMPLAR, ["data.prompt_template='Q {problem}'", "generation.max_response_tokens=64"])
+    config.save(run_cfg, tmp_path / "config.yaml")
+    values = config.run_values(tmp_path / "config.yaml")
+    assert set(values) == set(config.RUN_KEYS) and values["generation.max_response_tokens"] == 64
+    recipe = tmp_path / "e.yaml"
+    recipe.write_text("generation:\n  max_response_tokens: 100\n  max_prompt_tokens: 50\n  samples: 3\n")
+    cfg = config.load_eval(
+        recipe, ["generation.max_prompt_tokens=7"], run=values, flags={"generation.seed": ("--seed 4", 4)}
+    )
+    assert cfg.data.prompt_template == "Q {problem}" and cfg.generation.max_response_tokens == 64  # the run's
+    assert (cfg.generation.max_prompt_tokens, cfg.generation.seed, cfg.generation.samples) == (7, 4, 3)
+    assert cfg.generation.top_p == 0.95 and cfg.reward == config.GradingConfig()  # the schema's
+    with pytest.raises(ConfigError, match=r"^model=m and run=r: evaluate one"):
+        config.load_eval(None, ["model=m", "run=r"])
+    with pytest.raises(ConfigError, match=r"^checkpoint=step_2 needs run"):
+        config.load_eval(None, ["checkpoint=step_2"])
 
 
 def test_a_recipe_outside_recipes_inherits_the_shipped_ones(tmp_path):

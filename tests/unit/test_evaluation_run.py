@@ -7,10 +7,17 @@ from pathlib import Path
 
 import pytest
 
+from nemo_disco.config import EvalConfig, nested
 from nemo_disco.evaluation.records import RESPONSES_FILE, grade_responses_file
 from nemo_disco.evaluation.run import chunk_seed, evaluate_model
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def _cfg(model, benchmarks, out, **keys) -> EvalConfig:  # noqa: ANN001
+    """``model`` on ``benchmarks`` into ``out``; ``keys``: other dotted keys of the config (``generation.samples``)."""
+    flat = {"model": str(model), "data.benchmarks": [str(b) for b in benchmarks], "out": str(out), **keys}
+    return EvalConfig.model_validate(nested(flat))
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -23,22 +30,11 @@ def test_evaluate_model_tiny_hf(tiny_qwen2, tmp_path):
     bench.write_text(json.dumps([{"problem": "1+1", "answer": 2}, {"problem": "2+5", "answer": 7},
                                  {"problem": "3+3", "answer": 6}]))  # fmt: skip
     out = tmp_path / "eval"
-    summary = evaluate_model(
-        tiny_qwen2,
-        [str(bench)],
-        samples=2,
-        temperature=1.0,
-        top_p=1.0,
-        max_tokens=6,
-        backend="hf",
-        out_dir=out,
-        grader="math_verify",
-        seed=0,
-        max_problems=2,
-        template="{problem}=",
-        use_chat_template=True,
-        workers=1,
-    )
+    keys = {"generation.samples": 2, "generation.temperature": 1.0, "generation.top_p": 1.0,
+            "generation.max_response_tokens": 6, "generation.backend": "hf", "reward.grader": "math_verify",
+            "generation.seed": 0, "data.max_problems": 2, "data.prompt_template": "{problem}=",
+            "data.use_chat_template": True, "reward.workers": 1}  # fmt: skip
+    summary = evaluate_model(_cfg(tiny_qwen2, [bench], out, **keys))
     records = [json.loads(line) for line in (out / RESPONSES_FILE).read_text().splitlines()]
     assert [(r["problem_index"], r["sample_index"]) for r in records] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert all(r["benchmark"] == "arith" and 1 <= r["response_tokens"] <= 6 for r in records)
@@ -81,14 +77,15 @@ def test_interrupted_evaluation_continues_to_the_uninterrupted_result(tiny_qwen2
     from nemo_disco.generation.hf import HFGenerator
 
     bench = _arith_bench(tmp_path)
-    kwargs = dict(samples=2, temperature=1.0, top_p=1.0, max_tokens=6, backend="hf", template="{problem}=",
-                  workers=1, chunk_problems=2, replicates=50)  # fmt: skip
+    kwargs = {"generation.samples": 2, "generation.temperature": 1.0, "generation.top_p": 1.0,
+              "generation.max_response_tokens": 6, "generation.backend": "hf", "data.prompt_template": "{problem}=",
+              "reward.workers": 1, "generation.chunk_problems": 2, "bootstrap.replicates": 50,
+              "data.max_problems": 6}  # fmt: skip
     generator = HFGenerator(tiny_qwen2)
     # 2 benchmarks x 3 chunks of 2 problems; Ctrl-C during the 4th chunk (the first of the second benchmark).
     stopped = _StopAfter(generator, stop_at=4)
     with pytest.raises(KeyboardInterrupt):
-        evaluate_model(tiny_qwen2, [str(bench), "aime"], out_dir=tmp_path / "resumed", generator=stopped,
-                       max_problems=6, **kwargs)  # fmt: skip
+        evaluate_model(_cfg(tiny_qwen2, [bench, "aime"], tmp_path / "resumed", **kwargs), generator=stopped)
     assert "interrupted: the responses written so far are kept in" in capsys.readouterr().err
     partial = tmp_path / "resumed" / "partial"
     written = [json.loads(line) for f in partial.glob("part-*.jsonl") for line in f.read_text().splitlines()]
@@ -99,23 +96,22 @@ def test_interrupted_evaluation_continues_to_the_uninterrupted_result(tiny_qwen2
         f.write('{"benchmark": "aime", "problem_in')
     # A rerun with other settings is refused in one line, naming the setting.
     with pytest.raises(ValueError, match=r"holds an interrupted evaluation with samples=2 \(this command: 3\)"):
-        evaluate_model(tiny_qwen2, [str(bench), "aime"], out_dir=tmp_path / "resumed", generator=stopped,
-                       max_problems=6, **{**kwargs, "samples": 3})  # fmt: skip
+        evaluate_model(_cfg(tiny_qwen2, [bench, "aime"], tmp_path / "resumed", **{**kwargs, "generation.samples": 3}),
+                       generator=stopped)  # fmt: skip
     counted = _StopAfter(generator)
-    resumed = evaluate_model(tiny_qwen2, [str(bench), "aime"], out_dir=tmp_path / "resumed", generator=counted,
-                             max_problems=6, **kwargs)  # fmt: skip
+    resumed = evaluate_model(_cfg(tiny_qwen2, [bench, "aime"], tmp_path / "resumed", **kwargs), generator=counted)
     assert "resuming the evaluation in" in capsys.readouterr().err
     assert counted.calls == 3  # only the 3 chunks not written before
-    plain = evaluate_model(tiny_qwen2, [str(bench), "aime"], out_dir=tmp_path / "plain",
-                           generator=_StopAfter(generator), max_problems=6, **kwargs)  # fmt: skip
+    plain = evaluate_model(_cfg(tiny_qwen2, [bench, "aime"], tmp_path / "plain", **kwargs),
+                           generator=_StopAfter(generator))  # fmt: skip
     assert (tmp_path / "resumed" / RESPONSES_FILE).read_text() == (tmp_path / "plain" / RESPONSES_FILE).read_text()
     assert resumed.to_dict() == plain.to_dict()
     assert not partial.exists()  # merged into responses.jsonl
     # A finished result is not overwritten silently.
     with pytest.raises(ValueError, match=rf"^{tmp_path / 'plain'} already holds an evaluation .*--overwrite"):
-        evaluate_model(tiny_qwen2, [str(bench)], out_dir=tmp_path / "plain", generator=counted, **kwargs)
-    again = evaluate_model(tiny_qwen2, [str(bench), "aime"], out_dir=tmp_path / "plain",
-                           generator=_StopAfter(generator), max_problems=6, overwrite=True, **kwargs)  # fmt: skip
+        evaluate_model(_cfg(tiny_qwen2, [bench], tmp_path / "plain", **kwargs), generator=counted)
+    again = evaluate_model(_cfg(tiny_qwen2, [bench, "aime"], tmp_path / "plain", **kwargs),
+                           generator=_StopAfter(generator), overwrite=True)  # fmt: skip
     assert again.to_dict() == plain.to_dict()  # seeded per chunk: the same responses
 
 
@@ -149,8 +145,9 @@ def test_a_failure_before_the_first_record_leaves_no_partial_and_a_retry_with_ot
     from nemo_disco.generation.hf import HFGenerator
 
     bench = _arith_bench(tmp_path)
-    kwargs = dict(samples=2, temperature=1.0, top_p=1.0, max_tokens=4, template="{problem}=", workers=1,
-                  chunk_problems=2, replicates=0, max_problems=4)  # fmt: skip
+    kwargs = {"generation.samples": 2, "generation.temperature": 1.0, "generation.top_p": 1.0,
+              "generation.max_response_tokens": 4, "data.prompt_template": "{problem}=", "reward.workers": 1,
+              "generation.chunk_problems": 2, "bootstrap.replicates": 0, "data.max_problems": 4}  # fmt: skip
     out = tmp_path / "eval"
 
     # The engine fails to start: no partial/ (and no settings in it) stays behind.
@@ -159,14 +156,14 @@ def test_a_failure_before_the_first_record_leaves_no_partial_and_a_retry_with_ot
 
     monkeypatch.setattr(run, "build_generator", broken_engine)
     with pytest.raises(RuntimeError, match="the engine did not start"):
-        evaluate_model(tiny_qwen2, [str(bench)], out_dir=out, backend="hf", **kwargs)
+        evaluate_model(_cfg(tiny_qwen2, [bench], out, **kwargs, **{"generation.backend": "hf"}))
     assert not (out / "partial").exists()
     # The first generate call fails, or is interrupted: the same.
     with pytest.raises(RuntimeError, match="out of memory"):
-        evaluate_model(tiny_qwen2, [str(bench)], out_dir=out, generator=_Fails(RuntimeError("out of memory")), **kwargs)
+        evaluate_model(_cfg(tiny_qwen2, [bench], out, **kwargs), generator=_Fails(RuntimeError("out of memory")))
     assert not (out / "partial").exists()
     with pytest.raises(KeyboardInterrupt):
-        evaluate_model(tiny_qwen2, [str(bench)], out_dir=out, generator=_Fails(KeyboardInterrupt()), **kwargs)
+        evaluate_model(_cfg(tiny_qwen2, [bench], out, **kwargs), generator=_Fails(KeyboardInterrupt()))
     assert f"interrupted before any response was written: {out / 'partial'} removed" in capsys.readouterr().err
     assert not (out / "partial").exists()
     # A partial/ holding settings but no record (left by an older version, or a kill before the first chunk) does
@@ -175,7 +172,7 @@ def test_a_failure_before_the_first_record_leaves_no_partial_and_a_retry_with_ot
     (out / "partial" / "settings.json").write_text(json.dumps({"backend": "vllm", "samples": 2}))
     (out / "partial" / "part-0.jsonl").write_text('{"benchmark": "arith", "problem_in')  # cut short: no record
     monkeypatch.undo()
-    summary = evaluate_model(tiny_qwen2, [str(bench)], out_dir=out, generator=HFGenerator(tiny_qwen2), **kwargs)
+    summary = evaluate_model(_cfg(tiny_qwen2, [bench], out, **kwargs), generator=HFGenerator(tiny_qwen2))
     assert [(r.benchmark, r.problems, r.samples) for r in summary.rows] == [("arith", 4, 2)]
     assert (out / RESPONSES_FILE).is_file() and not (out / "partial").exists()
 
@@ -185,8 +182,9 @@ def test_a_failure_after_records_keeps_them_to_continue(tiny_qwen2, tmp_path):
     from nemo_disco.generation.hf import HFGenerator
 
     bench = _arith_bench(tmp_path)
-    kwargs = dict(samples=2, temperature=1.0, top_p=1.0, max_tokens=4, template="{problem}=", workers=1,
-                  chunk_problems=2, replicates=0, max_problems=4)  # fmt: skip
+    kwargs = {"generation.samples": 2, "generation.temperature": 1.0, "generation.top_p": 1.0,
+              "generation.max_response_tokens": 4, "data.prompt_template": "{problem}=", "reward.workers": 1,
+              "generation.chunk_problems": 2, "bootstrap.replicates": 0, "data.max_problems": 4}  # fmt: skip
     out = tmp_path / "eval"
 
     class _FailsSecond(_StopAfter):
@@ -197,12 +195,12 @@ def test_a_failure_after_records_keeps_them_to_continue(tiny_qwen2, tmp_path):
 
     generator = HFGenerator(tiny_qwen2)
     with pytest.raises(RuntimeError, match="out of memory"):
-        evaluate_model(tiny_qwen2, [str(bench)], out_dir=out, generator=_FailsSecond(generator), **kwargs)
+        evaluate_model(_cfg(tiny_qwen2, [bench], out, **kwargs), generator=_FailsSecond(generator))
     assert len((out / "partial" / "part-0.jsonl").read_text().splitlines()) == 2 * 2  # the first chunk
     with pytest.raises(ValueError, match=r"holds an interrupted evaluation with samples=2 \(this command: 3\)"):
-        evaluate_model(tiny_qwen2, [str(bench)], out_dir=out, generator=_FailsSecond(generator),
-                       **{**kwargs, "samples": 3})  # fmt: skip
+        evaluate_model(_cfg(tiny_qwen2, [bench], out, **{**kwargs, "generation.samples": 3}),
+                       generator=_FailsSecond(generator))  # fmt: skip
     again = _FailsSecond(generator)
     again.calls = 2  # fails no more
-    summary = evaluate_model(tiny_qwen2, [str(bench)], out_dir=out, generator=again, **kwargs)
+    summary = evaluate_model(_cfg(tiny_qwen2, [bench], out, **kwargs), generator=again)
     assert again.calls == 3 and [(r.problems, r.samples) for r in summary.rows] == [(4, 2)]  # one chunk was left

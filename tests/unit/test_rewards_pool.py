@@ -152,22 +152,23 @@ def _interrupt_a_call_and_grade_again() -> None:
 
 
 def test_worker_startup_failure_is_reported():
-    with GraderPool("math_verify", workers=1, memory_limit_mb=16) as pool:  # too little memory to import
+    with GraderPool("math_verify", timeout_s=5.0, workers=1, memory_limit_mb=16) as pool:  # too little memory to import
         with pytest.raises(RuntimeError, match="exited during start-up"):
             pool.score(["\\boxed{1}"], ["1"])
 
 
 def test_bad_pool_settings():
     with pytest.raises(ValueError, match="unknown grader"):
-        GraderPool("exact")
+        GraderPool("exact", timeout_s=5.0, workers=1)
     with pytest.raises(ValueError, match="timeout_s > 0"):
-        GraderPool("math_verify", timeout_s=0)
+        GraderPool("math_verify", timeout_s=0, workers=1)
 
 
 def test_score_batch_works_when_main_program_is_read_from_stdin(tmp_path):
     script = (
         "from nemo_disco.rewards import score_batch\n"
-        "scores, m = score_batch(['\\\\boxed{2}', '\\\\boxed{9^{9^{9^{9}}}}', 'no'], ['2', '1', '3'], timeout_s=1.0)\n"
+        "scores, m = score_batch(['\\\\boxed{2}', '\\\\boxed{9^{9^{9^{9}}}}', 'no'], ['2', '1', '3'],\n"
+        "                        timeout_s=1.0, workers=2)\n"
         "print(scores, m['reward/timeouts'])\n"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -179,7 +180,8 @@ def test_score_batch_works_when_main_program_is_read_from_stdin(tmp_path):
 
 
 def test_score_batch_temporary_pool():
-    scores, metrics = score_batch([r"\boxed{\frac{1}{2}}", r"\boxed{0.5}"], ["0.5", r"\frac12"], grader="deepscaler")
+    scores, metrics = score_batch([r"\boxed{\frac{1}{2}}", r"\boxed{0.5}"], ["0.5", r"\frac12"], grader="deepscaler",
+                                  timeout_s=5.0, workers=2)  # fmt: skip
     assert scores == [1.0, 1.0]
     assert metrics["reward/timeouts"] == 0
 

@@ -270,7 +270,7 @@ def test_a_bad_reward_function_path_fails_in_one_line(user_module, path, message
         load_reward_function(path)
     assert str(err.value).startswith(f"reward.function={path!r}") and "\n" not in str(err.value)
     with pytest.raises(ValueError, match=re.escape(message)):
-        GraderPool(workers=1, function=path)
+        GraderPool(timeout_s=5.0, workers=1, function=path)
 
 
 def test_the_config_checks_the_reward_function_path():
