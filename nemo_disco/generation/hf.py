@@ -1,8 +1,10 @@
 """The Generator protocol on a transformers model (CPU demo, tests, debugging), and what both generators share.
 
 Decoding runs the KV-cached loop of :mod:`nemo_disco.generation.kv_decode` over the model's own modules for
-Qwen2, Llama, Qwen3 and Qwen3-MoE (1.4x faster than ``generate`` on a CPU), and transformers' ``generate`` for any other
-architecture or with ``decode="generate"``; both draw the same tokens from the same seeded stream.
+Qwen2, Llama, Qwen3 and Qwen3-MoE (1.4x faster than ``generate`` on a CPU), and transformers' ``generate`` with
+``decode="generate"`` or where :func:`kv_decode.unsupported` finds a reason (another family, or a transformers
+release whose modules the loop does not know; one log line says which); both draw the same tokens from the same
+seeded stream.
 
 Conventions shared with the vLLM generator (:mod:`nemo_disco.generation.vllm`), so either backend can
 stand in for the other:
@@ -28,6 +30,7 @@ stand in for the other:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +42,8 @@ from nemo_disco.generation import kv_decode
 from nemo_disco.generation.base import Rollout, SamplingParams
 from nemo_disco.weights import DTYPES as _DTYPES
 from nemo_disco.weights import to_module_layout
+
+log = logging.getLogger(__name__)
 
 
 def trim_at_stop(
@@ -111,8 +116,9 @@ class HFGenerator:
         dtype: "float32" (CPU), "bfloat16" or "float16".
         device: torch device (default: the current CUDA device, else CPU).
         batch_size: sequences per batch.
-        decode: "auto": the KV-cached loop of :mod:`nemo_disco.generation.kv_decode` where the architecture
-            is supported (Qwen2, Llama), transformers' ``generate`` otherwise; "generate": always ``generate``.
+        decode: "auto": the KV-cached loop of :mod:`nemo_disco.generation.kv_decode` where it supports the
+            model (Qwen2, Llama, Qwen3, Qwen3-MoE; checked on the model here), transformers' ``generate``
+            otherwise (one log line gives the reason); "generate": always ``generate``.
     """
 
     def __init__(
@@ -142,7 +148,13 @@ class HFGenerator:
         self.spec = WeightSpec.of_model(self.model, "HFGenerator")
         self._refit_error: str | None = None
         #: "kv" (nemo_disco.generation.kv_decode) or "generate" (transformers' generate).
-        self.decode_path = "kv" if decode == "auto" and kv_decode.supports(self.model) else "generate"
+        self.decode_path = "generate"
+        if decode == "auto":
+            reason = kv_decode.unsupported(self.model)
+            if reason is None:
+                self.decode_path = "kv"
+            else:
+                log.info("transformers generator: decoding with generate(), not the KV-cached loop: %s", reason)
 
     @torch.inference_mode()
     def generate(

@@ -12,10 +12,20 @@ product over weights concatenated once per call, the rotary cos / sin of every s
 attention's padding mask is an additive bias made once; RMSNorms (float32), plain linear layers and SiLU are
 called as functions on the modules' weights, not through the modules (the same ops, bit for bit).
 
-Supported: ``model_type`` qwen2, llama, qwen3 and qwen3_moe (the project's architectures) without
-sliding-window attention. Qwen3's per-head RMSNorms of queries and keys (``q_norm`` / ``k_norm``, before RoPE)
-are applied where its attention applies them; a Qwen3-MoE layer's MLP is its sparse block, called as a
-module. :func:`supports` says so, and the generator falls back to ``generate`` for anything else.
+Supported: the families of :data:`FAMILIES` (``model_type`` qwen2, llama, qwen3 and qwen3_moe, the project's
+architectures) without sliding-window attention. Qwen3's per-head RMSNorms of queries and keys (``q_norm`` /
+``k_norm``, before RoPE) are applied where its attention applies them; a Qwen3-MoE layer's MLP is its sparse
+block, called as a module.
+
+The loop relies on transformers' module layout, which a transformers release may change. :func:`unsupported`
+checks what it relies on, on the model itself, when a generator is built (its first use): the family; the
+config (no sliding window); the modules and attributes it reads (``model.embed_tokens / layers / norm /
+rotary_emb``, ``lm_head``, each layer's norms, ``self_attn`` and ``mlp``, the attention's ``q/k/v/o_proj`` as
+``nn.Linear``, ``head_dim``, ``scaling``, and ``q_norm`` / ``k_norm`` where the family has them); and then the
+function itself: a probe decodes a few tokens of a padded two-row batch and compares every step's logits with
+``model(...)`` over the same tokens (so a changed rotary embedding's signature or formula, or any error the loop
+raises, is caught there too). Anything it finds is a reason, in one line, and the generator decodes with
+``generate`` instead. This module imports nothing of transformers at import time.
 """
 
 from __future__ import annotations
@@ -25,35 +35,106 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3", "qwen3_moe")
-#: Model types whose attention normalises each query / key head (``q_norm``, ``k_norm``) before RoPE.
-QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
+#: The families the loop runs: ``model_type`` -> whether its attention normalises each query / key head
+#: (``q_norm``, ``k_norm``) before RoPE.
+FAMILIES: dict[str, bool] = {"qwen2": False, "llama": False, "qwen3": True, "qwen3_moe": True}
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+QK_NORM_MODEL_TYPES = tuple(t for t, qk_norm in FAMILIES.items() if qk_norm)
+_BODY_PARTS = ("embed_tokens", "layers", "norm", "rotary_emb")
 _LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
-_ATTN_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")
+_ATTN_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
+_ATTN_VALUES = ("head_dim", "scaling")
+#: The probe's largest relative difference from ``model(...)``'s logits, by parameter dtype (float rounding only:
+#: the loop sums in another order).
+_PROBE_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}
+_PROBE_TOLERANCE_HALF = 5e-2
 
 # pick(logits [B, V] float32) -> (next tokens [B] int64, their log-probs [B] float32)
 Picker = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
-def supports(model: torch.nn.Module) -> bool:
-    """True when :func:`sample` can run ``model`` (a transformers Qwen2 / Llama / Qwen3 / Qwen3-MoE causal LM)."""
+def _layout(model: torch.nn.Module) -> str | None:
+    """Why the model's family, config or modules are not what the loop reads, or None."""
     cfg = getattr(model, "config", None)
-    if cfg is None or getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
-        return False
+    model_type = getattr(cfg, "model_type", None)
+    if model_type not in FAMILIES:
+        return f"model_type {model_type!r} is not one of {', '.join(FAMILIES)}"
     if getattr(cfg, "use_sliding_window", False):
-        return False
-    if any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or ()):
-        return False
-    parts = _ATTN_PARTS + (("q_norm", "k_norm") if cfg.model_type in QK_NORM_MODEL_TYPES else ())
+        return "sliding-window attention (use_sliding_window)"
+    other = sorted({t for t in getattr(cfg, "layer_types", None) or () if t != "full_attention"})
+    if other:
+        return f"layer_types {other} (only full_attention)"
     body = getattr(model, "model", None)
-    if body is None or not all(hasattr(body, n) for n in ("embed_tokens", "layers", "norm", "rotary_emb")):
-        return False
-    if not hasattr(model, "lm_head"):
-        return False
-    return all(
-        all(hasattr(layer, n) for n in _LAYER_PARTS) and all(hasattr(layer.self_attn, n) for n in parts)
-        for layer in body.layers
-    )
+    missing = [f"model.{n}" for n in _BODY_PARTS if not hasattr(body, n)]
+    missing += [] if hasattr(model, "lm_head") else ["lm_head"]
+    if missing:
+        return f"{type(model).__name__} has no {', '.join(missing)}"
+    attn_values = _ATTN_VALUES + (("q_norm", "k_norm") if FAMILIES[model_type] else ())
+    for i, layer in enumerate(body.layers):
+        where = f"{type(model).__name__}.model.layers.{i}"
+        missing = [n for n in _LAYER_PARTS if not hasattr(layer, n)]
+        if missing:
+            return f"{where} has no {', '.join(missing)}"
+        attn = layer.self_attn
+        missing = [n for n in attn_values if not hasattr(attn, n)]
+        if missing:
+            return f"{where}.self_attn ({type(attn).__name__}) has no {', '.join(missing)}"
+        not_linear = [n for n in _ATTN_LINEARS if not isinstance(getattr(attn, n, None), torch.nn.Linear)]
+        if not_linear:
+            return f"{where}.self_attn ({type(attn).__name__}): {', '.join(not_linear)} not torch.nn.Linear"
+    return None
+
+
+def _probe(model: torch.nn.Module) -> str | None:
+    """Decode a few tokens of a padded two-row batch and compare each step's logits with ``model(...)``'s."""
+    weight = model.model.embed_tokens.weight
+    vocab, device, dtype = weight.shape[0], weight.device, weight.dtype
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, vocab, (2, 5), generator=g)
+    mask = torch.ones_like(prompt)
+    mask[0, :2] = 0  # row 0 left-padded by two tokens
+    seen: list[torch.Tensor] = []
+
+    def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        seen.append(logits.float())
+        nxt = logits.argmax(-1)
+        return nxt, torch.zeros(len(nxt), device=logits.device)
+
+    steps = 3
+    was_training = model.training
+    model.eval()
+    try:
+        tokens, _ = sample(model, prompt.to(device), mask.to(device), steps, greedy)
+        ours = torch.stack(seen, dim=1)  # [2, steps, V]
+        refs = []
+        with torch.inference_mode():
+            for row in range(2):
+                ids = torch.cat([prompt[row][mask[row].bool()].to(device), tokens[row, :-1]]).unsqueeze(0)
+                logits = model(input_ids=ids, use_cache=False).logits[0, -steps:].float()
+                refs.append(logits)
+        ref = torch.stack(refs)
+    except Exception as err:  # noqa: BLE001 - any failure of the loop on this transformers release is a reason
+        return f"the decode probe raised {type(err).__name__}: {err}".splitlines()[0]
+    finally:
+        model.train(was_training)
+    tolerance = _PROBE_TOLERANCE.get(dtype, _PROBE_TOLERANCE_HALF)
+    err = float((ours - ref).abs().max() / ref.abs().max().clamp(min=1e-12))
+    if not err <= tolerance:  # also a NaN
+        return f"the decode probe's logits differ from model(...)'s by {err:.2g} (relative; at most {tolerance:g})"
+    return None
+
+
+def unsupported(model: torch.nn.Module) -> str | None:
+    """Why :func:`sample` cannot run ``model`` (one line), or None when it can (checks: module docstring).
+
+    The layout checks first (no computation), then the probe (a few model calls on the model's device).
+    """
+    return _layout(model) or _probe(model)
+
+
+def supports(model: torch.nn.Module) -> bool:
+    """True when :func:`sample` can run ``model`` (:func:`unsupported` finds nothing)."""
+    return unsupported(model) is None
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -103,9 +184,10 @@ def _linear(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
 
 def _activation(act: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     """``F.silu`` for a SiLU module (transformers' ``SiLUActivation`` is ``F.silu``), else the module."""
-    from transformers.activations import SiLUActivation
+    import transformers.activations
 
-    return F.silu if type(act) in (SiLUActivation, torch.nn.SiLU) else act
+    silu = (torch.nn.SiLU, getattr(transformers.activations, "SiLUActivation", torch.nn.SiLU))
+    return F.silu if type(act) in silu else act
 
 
 class _DecodeLayer:

@@ -17,7 +17,6 @@ import torch
 from nemo_disco import distributed, files, weights
 from nemo_disco.batch import RolloutBatch, split_microbatches
 from nemo_disco.config import ConfigError, PolicyConfig, RunConfig
-from nemo_disco.policy import hf_forward
 from nemo_disco.policy.base import RunValues, SurrogateFn
 from nemo_disco.policy.schedule import lr_at
 
@@ -85,8 +84,6 @@ class HFPolicy:
             )
             enable()
         self.model.config.use_cache = False
-        #: "modules" (nemo_disco.policy.hf_forward over the model's modules) or "model" (the model's own forward).
-        self.forward_path = "modules" if hf_forward.supports(self.model) else "model"
         if trainable and pc.freeze_router:
             for name, p in self.model.named_parameters():
                 if name.endswith(".mlp.gate.weight"):  # an MoE router (a dense MLP's is gate_proj)
@@ -120,12 +117,7 @@ class HFPolicy:
         ids = batch.input_ids.to(self.device)
         mask = batch.attention_mask.to(self.device).long()
         positions = batch.position_ids.to(self.device)
-        if self.forward_path == "modules":
-            logits = hf_forward.logits(
-                self.model, ids, mask, positions, activation_checkpointing=self.pc.activation_checkpointing == "full"
-            )
-        else:
-            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
         on_device = batch.with_(
             response_ids=batch.response_ids.to(self.device), response_mask=batch.response_mask.to(self.device)
         )

@@ -122,6 +122,47 @@ def test_the_config_schema_imports_no_loss():
     assert "nemo_disco.losses" in graph["nemo_disco.parts"] and "nemo_disco.config" in graph["nemo_disco.parts"]
 
 
+#: Packages of one layer that import nothing of each other (docs/architecture.md, "The engines are siblings").
+SIBLINGS = [("policy", "generation")]
+
+
+def _between_siblings(graph: dict[str, set[str]], siblings: list[tuple[str, str]] = SIBLINGS) -> list[str]:
+    def package(module: str) -> str | None:
+        parts = module.split(".")
+        return parts[1] if len(parts) > 1 else None
+
+    return [
+        f"{m} imports {d}"
+        for m, deps in graph.items()
+        for d in sorted(deps)
+        for a, b in siblings
+        if {package(m), package(d)} == {a, b}
+    ]
+
+
+def test_the_policy_and_the_generator_import_nothing_of_each_other():
+    graph = _graph()
+    assert any(m.startswith("nemo_disco.policy.") for m in graph)
+    assert any(m.startswith("nemo_disco.generation.") for m in graph)
+    assert _between_siblings(graph) == []
+
+
+def test_the_sibling_check_sees_an_import_either_way(tmp_path):
+    pkg = tmp_path / "nemo_disco"
+    for sub in ("policy", "generation"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "policy" / "hf.py").write_text("from nemo_disco.generation import kv\n")
+    (pkg / "generation" / "kv.py").write_text("")
+    (pkg / "generation" / "hf.py").write_text("def f():\n    import nemo_disco.policy.hf\n")
+    assert _between_siblings(_graph(pkg)) == [
+        "nemo_disco.generation.hf imports nemo_disco.policy.hf",
+        "nemo_disco.policy.hf imports nemo_disco.generation",
+        "nemo_disco.policy.hf imports nemo_disco.generation.kv",
+    ]
+
+
 def test_the_checks_catch_each_violation(tmp_path):
     # A package whose low module imports a high one, in a cycle: both checks must see it.
     pkg = tmp_path / "nemo_disco"

@@ -75,15 +75,138 @@ def test_kv_loop_equals_transformers_generate(arch, name, request):
         assert stopped == 0 and all(len(r.token_ids) == sp.max_tokens for rs in ours for r in rs)
 
 
-def test_a_model_the_loop_does_not_know_uses_generate(tmp_path):
+def _fallback_lines(caplog) -> list[str]:  # noqa: ANN001
+    return [r.getMessage() for r in caplog.records if "not the KV-cached loop" in r.getMessage()]
+
+
+def test_a_model_the_loop_does_not_know_uses_generate_with_one_log_line(tmp_path, caplog):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = GPT2Config(vocab_size=64, n_positions=64, n_embd=32, n_layer=1, n_head=2, eos_token_id=EOS, pad_token_id=0)
     GPT2LMHeadModel(cfg).save_pretrained(tmp_path)
-    gen = HFGenerator(tmp_path, batch_size=4)
+    with caplog.at_level("INFO", logger="nemo_disco.generation.hf"):
+        gen = HFGenerator(tmp_path, batch_size=4)
     assert gen.decode_path == "generate" and not kv_decode.supports(gen.model)
+    assert _fallback_lines(caplog) == [
+        "transformers generator: decoding with generate(), not the KV-cached loop: "
+        "model_type 'gpt2' is not one of qwen2, llama, qwen3, qwen3_moe"
+    ]
     (rs,) = gen.generate([[5, 6, 7]], 2, SAMPLINGS["ignore-eos"])
     assert [len(r.token_ids) for r in rs] == [40, 40]
+
+
+def test_a_family_with_the_same_modules_but_not_registered_uses_generate(tmp_path, caplog):
+    """Mistral has Llama's module names: the family, not the layout, keeps it off the loop."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    cfg = MistralConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=None,
+        eos_token_id=EOS,
+        pad_token_id=0,
+    )
+    MistralForCausalLM(cfg).save_pretrained(tmp_path)
+    with caplog.at_level("INFO", logger="nemo_disco.generation.hf"):
+        gen = HFGenerator(tmp_path, batch_size=8)
+    assert gen.decode_path == "generate"
+    assert len(_fallback_lines(caplog)) == 1 and "model_type 'mistral'" in _fallback_lines(caplog)[0]
+    assert kv_decode._layout(gen.model).startswith("model_type 'mistral'")
+    ref = HFGenerator(tmp_path, batch_size=8, decode="generate")
+    sp = SAMPLINGS["t1"]
+    assert gen.generate(_prompts(), 2, sp) == ref.generate(_prompts(), 2, sp)
+
+
+def _qwen2_model():  # noqa: ANN202
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+def test_the_check_passes_a_model_it_runs_and_leaves_its_mode():
+    model = _qwen2_model().train()
+    assert kv_decode.unsupported(model) is None
+    assert model.training
+
+
+def test_an_attention_without_an_attribute_the_loop_reads_is_refused():
+    """A release whose attention has no ``scaling`` (transformers before 4.48 had none): a reason, no crash."""
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
+
+    class AttentionWithoutScaling(Qwen2Attention):
+        def __init__(self, config, layer_idx) -> None:  # noqa: ANN001
+            super().__init__(config, layer_idx)
+            del self.scaling
+
+    model = _qwen2_model()
+    layer = model.model.layers[1]
+    layer.self_attn = AttentionWithoutScaling(model.config, 1)
+    assert kv_decode.unsupported(model) == (
+        "Qwen2ForCausalLM.model.layers.1.self_attn (AttentionWithoutScaling) has no scaling"
+    )
+
+
+def test_a_body_without_the_shared_rotary_embedding_is_refused():
+    """Older releases kept a rotary embedding per attention, none on the body."""
+    model = _qwen2_model()
+    del model.model.rotary_emb
+    assert kv_decode.unsupported(model) == "Qwen2ForCausalLM has no model.rotary_emb"
+
+
+def test_an_attention_that_computes_something_else_is_caught_by_the_probe():
+    """Same modules and attributes, another function (an output gate, as later families add): the probe sees it."""
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
+
+    class GatedAttention(Qwen2Attention):
+        def forward(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            out, weights = super().forward(*args, **kwargs)
+            return torch.sigmoid(out) * out, weights
+
+    model = _qwen2_model()
+    for i, layer in enumerate(model.model.layers):
+        gated = GatedAttention(model.config, i)
+        gated.load_state_dict(layer.self_attn.state_dict())
+        layer.self_attn = gated
+    reason = kv_decode.unsupported(model)
+    assert reason is not None and reason.startswith("the decode probe's logits differ from model(...)'s by")
+
+
+def test_a_rotary_embedding_with_another_signature_is_caught_by_the_probe():
+    """What the loop's calls raise on a release is a reason found at the check, not an error while decoding.
+
+    Here a rotary embedding that takes a length, not positions (the model's own forward breaks too: a probe
+    failure is a reason whichever side fails).
+    """
+
+    class RotaryBySeqLen(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x: torch.Tensor, *, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+            positions = torch.arange(seq_len, device=x.device).expand(x.shape[0], -1)
+            return self.inner(x, positions)
+
+    model = _qwen2_model()
+    model.model.rotary_emb = RotaryBySeqLen(model.model.rotary_emb)
+    reason = kv_decode.unsupported(model)
+    assert reason is not None and reason.startswith("the decode probe raised TypeError: ")
+    assert "\n" not in reason
 
 
 def test_decode_option_is_checked(tiny_qwen2):

@@ -36,9 +36,10 @@ def _batch(seed=0, n=6):
     return collate(prompts, responses, [[0.0] * len(r) for r in responses], list(range(n)), [1.0] * n, pad_id=0)
 
 
-def test_logprobs_match_unpadded_forward(tiny_qwen2):
+@pytest.mark.parametrize("arch", ["tiny_qwen2", "tiny_llama", "tiny_qwen3", "tiny_qwen3_moe"])
+def test_logprobs_match_unpadded_forward(arch, request):
     """Left/right padding, positions and the temperature give the log-probs of each sequence run alone."""
-    policy = HFPolicy.from_run_config(_cfg(), tiny_qwen2)
+    policy = HFPolicy.from_run_config(_cfg(), request.getfixturevalue(arch))
     batch = _batch()
     lp, ent = policy.logprobs(batch, entropy=True)
     for i in range(len(batch)):
@@ -127,3 +128,21 @@ def test_selective_recomputation_is_refused_in_one_line_and_full_checkpoints_eve
         HFPolicy(config.PolicyConfig(backend="hf", activation_checkpointing="selective"), tiny_qwen2, run)
     full = HFPolicy(config.PolicyConfig(backend="hf", activation_checkpointing=True, dtype="float32"), tiny_qwen2, run)
     assert full.pc.activation_checkpointing == "full" and full.model.is_gradient_checkpointing
+
+
+def test_full_activation_checkpointing_gives_the_same_logprobs_and_gradients(tiny_qwen3):
+    """Recomputing every layer in the backward (transformers' gradient checkpointing) changes no bit."""
+    batch = _batch(seed=2)
+    coef = torch.linspace(-1, 1, len(batch))
+
+    def fn(rows, lp, ent):
+        return (coef[rows].unsqueeze(1) * lp).sum()
+
+    results = []
+    for ckpt in ("false", "full"):
+        policy = HFPolicy.from_run_config(_cfg(**{"policy.activation_checkpointing": ckpt}), tiny_qwen3)
+        assert policy.model.is_activation_checkpointing == (ckpt == "full")
+        results.append((policy.logprobs(batch)[0], _grads_after(policy, batch, fn)))
+    (lp0, g0), (lp1, g1) = results
+    assert torch.equal(lp0, lp1)
+    assert g0.keys() == g1.keys() and [n for n in g0 if not torch.equal(g0[n], g1[n])] == []
