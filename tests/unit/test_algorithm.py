@@ -246,3 +246,52 @@ def test_a_loss_from_a_module_of_the_users_own_trains_exactly_like_a_built_in(ti
     for key in ("train/loss", "train/objective", "train/alpha", "update/forward_passes", "update/one_pass_updates"):
         assert results["user"][0][key] == results["gpg"][0][key], key
     assert all(torch.equal(a, b) for a, b in zip(results["user"][1], results["gpg"][1], strict=True))
+
+
+def test_a_run_parses_each_data_source_once(tmp_path, monkeypatch):
+    # `nemo-disco train`'s start-up check parses data.train and data.val; the warm-up (trains on data.train,
+    # measures on data.val), the training questions and validation then take those problems, not the files again.
+    # Each real load is counted, as the CLI runs it: check, then setup (a tiny model built and warmed up in code).
+    import json
+
+    from nemo_disco import algorithm, cli, data
+
+    sources = {}
+    for name, split, size in (("train", "train", 64), ("val", "heldout", 16)):
+        path = tmp_path / f"{name}.jsonl"
+        rows = [{"problem": p.problem, "answer": p.answer} for p in data.synthetic_arithmetic(size, 0, split=split)]
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        sources[name] = str(path)
+    loads: list[str] = []
+    load_problems = data.load_problems
+
+    def counted(source, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        loads.append(str(source))
+        return load_problems(source, **kwargs)
+
+    monkeypatch.setattr(data, "load_problems", counted)
+    cfg = parts.load(
+        config.Path(__file__).resolve().parents[2] / "recipes" / "tiny-cpu.yaml",
+        [
+            f"logging.run_dir={tmp_path / 'run'}",
+            f"data.train={sources['train']}",
+            f"data.val={sources['val']}",
+            "data.val_max_problems=8",
+            "algorithm.prompts_per_step=4",
+            "algorithm.minibatch_prompts=4",
+            "algorithm.warmup_sft_steps=2",
+            "algorithm.warmup_eval_every=1",
+            "algorithm.warmup_eval_problems=8",
+            "algorithm.warmup_target=[0.99,1.0]",
+            "algorithm.warmup_cache=false",
+            "logging.progress=false",
+        ],
+    )
+    problems = cli._check_sources(cfg)
+    tr = algorithm.setup(cfg, problems=problems)
+    try:
+        assert (tr.run_dir / "init_model" / "config.json").is_file()  # the warm-up ran, on the problems handed on
+        assert tr.sampler.num_problems == 64  # every training problem, from the one parse
+        assert loads == [sources["train"], sources["val"]]
+    finally:
+        tr.rollouts.close(0)
