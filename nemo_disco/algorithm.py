@@ -391,13 +391,10 @@ def train_step(tr: Trainer) -> dict[str, float]:
         local = local.with_(old_logprobs=old_local, ref_logprobs=ref_local)
         hooks.point("old_logprobs", step=tr.step + 1)
         old = _gather_rows(old_local, policy, num_mb)  # rows of a one-pass first mini-batch: 0 until it ran
-        weights, _ = losses.rollout_weights(
-            old,
-            batch.gen_logprobs,
-            batch.response_mask,
-            mode=cfg.rollout_correction,
-            cap=cfg.loss.rollout_correction_cap,
-        )
+        # Each rollout's weight once: here from pi_old's log-probs; a one-pass first mini-batch's rows by that pass
+        # (it makes their log-probs), put in place after it. The step's weight metrics read these, not a recount.
+        ratio = correction.log_ratios(old, batch.gen_logprobs, batch.response_mask) if correction.weighted else None
+        weights = correction.weights(ratio) if ratio is not None else None
         forwards = (num_mb - (1 if skip else 0)) / num_mb
         update_metrics: list[dict[str, float]] = []
         plans: list[str] = []
@@ -427,6 +424,9 @@ def train_step(tr: Trainer) -> dict[str, float]:
                 )
                 res = update.run(policy, loss, mb, passes=pl.passes, first_update=m == 0, correction=correction)
                 forwards += res.forwards / num_mb
+                if res.log_ratios is not None and ratio is not None and weights is not None:
+                    ratio[rows] = _gather_rows(res.log_ratios, policy, 1)
+                    weights[rows] = _gather_rows(res.weights, policy, 1)
                 if res.old_logprobs is not None:
                     old_local[rows_local] = res.old_logprobs
                     if res.old_entropy is not None:
@@ -448,14 +448,11 @@ def train_step(tr: Trainer) -> dict[str, float]:
         old = _gather_rows(old_local, policy, num_mb)
     entropy = _gather_rows(ent_local, policy, num_mb)
     mask = batch.response_mask
-    _, w_metrics = losses.rollout_weights(
-        old, batch.gen_logprobs, mask, mode=cfg.rollout_correction, cap=cfg.loss.rollout_correction_cap
-    )
     metrics.update(timer.metrics())
     metrics.setdefault("timing/refit", 0.0)
     metrics.update(_step_metrics(batch, old, entropy, update_metrics, records, cfg.reward.positive_threshold))
     metrics.update(losses.mismatch_metrics(old, batch.gen_logprobs, mask))
-    metrics.update(w_metrics)
+    metrics.update(correction.metrics(ratio, weights))
     metrics["update/forward_passes"] = forwards
     metrics["update/one_pass_updates"] = float(one_pass)
     return metrics
