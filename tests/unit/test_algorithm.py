@@ -295,3 +295,26 @@ def test_a_run_parses_each_data_source_once(tmp_path, monkeypatch):
         assert loads == [sources["train"], sources["val"]]
     finally:
         tr.rollouts.close(0)
+
+
+@pytest.mark.parametrize("minibatch_prompts", [2, 4])
+def test_train_step_reports_the_weights_each_rollout_trained_with(tiny_qwen2, tmp_path, minibatch_prompts):
+    # seq_tis with generator log-probs off the policy's own by -0.1, 0 or +0.1 per token: every weight differs
+    # from 1 and some are capped. A one-pass first mini-batch weights its rows inside its pass (it makes pi_old);
+    # the step's metrics are those of the weights used, the same as of pi_old recomputed over the whole batch.
+    from nemo_disco import losses
+    from nemo_disco.algorithm import train_step
+    from nemo_disco.batch import collate_questions
+
+    overrides = [f"algorithm.minibatch_prompts={minibatch_prompts}", "loss.rollout_correction=seq_tis"]
+    tr, _ = _step_case(tiny_qwen2, tmp_path, [*overrides, "loss.rollout_correction_cap=1.5"])
+    own = collate_questions(tr.rollouts.records, pad_id=0).gen_logprobs  # pi_old: the policy's own log-probs
+    for k, rec in enumerate(tr.rollouts.records):
+        for g in range(len(rec.logprobs)):
+            rec.logprobs[g] = [x + 0.1 * ((k + g) % 3 - 1) for x in rec.logprobs[g]]
+    batch = collate_questions(tr.rollouts.records, pad_id=0)
+    _, expected = losses.rollout_weights(own, batch.gen_logprobs, batch.response_mask, mode="seq_tis", cap=1.5)
+    assert 0 < expected["mismatch/truncated_share"] < 1 and expected["mismatch/weight_min"] < 1
+    metrics = train_step(tr)
+    for key, value in expected.items():
+        assert metrics[key] == pytest.approx(value, rel=1e-4), key
