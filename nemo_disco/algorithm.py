@@ -57,7 +57,7 @@ import torch
 
 from nemo_disco import checkpoint, data, distributed, hooks, losses, parts, rollouts, stats, update, watchdog, weights
 from nemo_disco import config as config_lib
-from nemo_disco.batch import QuestionRollouts, RolloutBatch, collate_questions
+from nemo_disco.batch import QuestionRollouts, RolloutBatch, StepRows, collate_questions, step_rows
 from nemo_disco.config import ConfigError, RunConfig
 from nemo_disco.data import PromptSampler
 from nemo_disco.metrics import MetricsLogger, Timer, read_jsonl
@@ -364,9 +364,11 @@ def train_step(tr: Trainer) -> dict[str, float]:
         failed = rollouts.reward_errors_line(metrics)
         if failed:  # every step with a failed reward says so (they score 0 and train as negatives)
             tr.logger.write(f"step {tr.step + 1}: {failed}")
-        batch = collate_questions(records, pad_id=tr.tokenizer.pad_token_id)
+        # Every rollout's group id, reward, mask and generator log-probs (the mini-batch objective couples ranks);
+        # the tokens of this rank's rows only, padded to the whole batch's widths.
+        batch = step_rows(records)
         num_mb = tr.cfg.updates_per_step
-        local = batch.select(_local_rows(len(batch), num_mb, policy))
+        local = collate_questions(records, tr.tokenizer.pad_token_id, rows=_local_rows(len(batch), num_mb, policy))
         per_mb_local = len(local) // num_mb
         per_mb = len(batch) // num_mb
         first = update.plan(
@@ -469,7 +471,7 @@ def _plan_lines(plans: list[str]) -> list[str]:
 
 
 def _step_metrics(
-    batch: RolloutBatch,
+    batch: RolloutBatch | StepRows,
     old: torch.Tensor,
     entropy: torch.Tensor,
     updates: list[dict[str, float]],

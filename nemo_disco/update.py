@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from nemo_disco import distributed, losses
-from nemo_disco.batch import RolloutBatch, whole_questions
+from nemo_disco.batch import RolloutBatch, StepRows, whole_questions
 from nemo_disco.losses.correction import capped_weights, log_ratios, weight_metrics
 from nemo_disco.policy.base import Policy
 
@@ -47,8 +47,8 @@ class Minibatch:
     """One update's rollouts, with what the trainer attached to them.
 
     Attributes:
-        full: the whole mini-batch, every data-parallel rank's rows (group ids, rewards, masks, generator
-            log-probs; its ``old_logprobs`` are not read).
+        full: the whole mini-batch, every data-parallel rank's rows: their group ids, rewards and response masks
+            are read (a :class:`~nemo_disco.batch.StepRows`, or a whole :class:`RolloutBatch`).
         local: this rank's rows of ``full`` (rows ``rows``) with ``ref_logprobs`` attached when the loss needs
             them, and ``old_logprobs`` (pi_old's, float32 [n, R]); None only at a first update taken in one pass,
             which makes them.
@@ -59,7 +59,7 @@ class Minibatch:
             pass) computed from the old log-probs that pass makes, with ``correction``.
     """
 
-    full: RolloutBatch
+    full: RolloutBatch | StepRows
     local: RolloutBatch
     rows: slice
     old_entropy: Tensor | None = None
@@ -139,7 +139,7 @@ class Result:
 def plan(
     policy: Policy,
     loss: losses.Loss,
-    full: RolloutBatch,
+    full: RolloutBatch | StepRows,
     local: RolloutBatch,
     rows: slice,
     *,
@@ -237,7 +237,7 @@ def _two_passes(policy: Policy, loss: losses.Loss, mb: Minibatch, first_update: 
     return Result({**metrics, **out}, forwards)
 
 
-def placeholder_stats(loss: losses.Loss, batch: RolloutBatch) -> Tensor:
+def placeholder_stats(loss: losses.Loss, batch: RolloutBatch | StepRows) -> Tensor:
     """Statistics [N, K] (float64) of log-probs 0 against old log-probs 0: true token counts, KL 0, any scores."""
     mask = batch.response_mask
     zeros = torch.zeros(mask.shape, dtype=torch.float64)
