@@ -57,9 +57,9 @@ import torch
 
 from nemo_disco import checkpoint, data, distributed, hooks, losses, parts, rollouts, stats, update, watchdog, weights
 from nemo_disco import config as config_lib
-from nemo_disco.batch import QuestionRollouts, RolloutBatch, collate_questions
+from nemo_disco.batch import QuestionRollouts, RolloutBatch, StepRows, collate_questions, step_rows
 from nemo_disco.config import ConfigError, RunConfig
-from nemo_disco.data import PromptSampler, load_problems
+from nemo_disco.data import PromptSampler
 from nemo_disco.metrics import MetricsLogger, Timer, read_jsonl
 from nemo_disco.policy import build_policy
 from nemo_disco.policy.base import Policy
@@ -111,8 +111,11 @@ class Trainer:
 # Setup
 
 
-def prepare_model(cfg: RunConfig, run_dir: Path) -> Path:
-    """The HF folder the run starts from: ``policy.model_path``, or a tiny model built (and warmed up) in code."""
+def prepare_model(cfg: RunConfig, run_dir: Path, problems: data.RunProblems | None = None) -> Path:
+    """The HF folder the run starts from: ``policy.model_path``, or a tiny model built (and warmed up) in code.
+
+    ``problems``: the run's parsed sources, which the warm-up trains and measures on (None: parsed here if needed).
+    """
     if cfg.policy.model_path is not None:
         return Path(cfg.policy.model_path)
     from nemo_disco import tiny
@@ -120,16 +123,17 @@ def prepare_model(cfg: RunConfig, run_dir: Path) -> Path:
     model_dir = run_dir / "init_model"
     a = cfg.algorithm
     if not (model_dir / "config.json").is_file():
-        # Read on every rank, so that a held-out set too small for the target fails everywhere, not on rank 0 alone.
-        held_out = _warmup_eval_problems(cfg) if a.warmup_sft_steps and a.warmup_target else None
+        if a.warmup_sft_steps and problems is None:
+            problems = data.load_run_problems(cfg.data)
+        # Checked on every rank, so that a held-out set too small for the target fails everywhere, not on rank 0 alone.
+        held_out = _warmup_eval_problems(cfg, problems.val) if a.warmup_sft_steps and a.warmup_target else None
         if distributed.rank() == 0:
             tmp = run_dir / "init_model.tmp"
             tiny.build_model(cfg.policy.tiny, tmp, seed=a.seed)
             if a.warmup_sft_steps:
-                problems, _ = load_problems(cfg.data.train, **data.data_kwargs(cfg.data))
                 # The global RNG leaves the warm-up as it entered: a reused warm-up and a redone one start RL alike.
                 with torch.random.fork_rng(devices=[]):
-                    tiny.warm_up(tmp, problems, cfg, held_out, cache=warmup_cache_dir(cfg))
+                    tiny.warm_up(tmp, problems.train, cfg, held_out, cache=warmup_cache_dir(cfg))
             tmp.rename(model_dir)
     distributed.barrier()
     return model_dir
@@ -146,9 +150,9 @@ def warmup_cache_dir(cfg: RunConfig) -> Path | None:
     return Path(cfg.logging.run_dir).resolve().parent / ".warmup-cache"
 
 
-def _warmup_eval_problems(cfg: RunConfig) -> list:
-    """The held-out problems the warm-up's accuracy target is measured on: data.val after the validation ones."""
-    problems, _ = load_problems(cfg.data.val, **data.data_kwargs(cfg.data, val=True))
+def _warmup_eval_problems(cfg: RunConfig, val: list[data.Problem] | None) -> list:
+    """The held-out problems the warm-up's accuracy target is measured on: ``val`` (data.val's) after validation's."""
+    problems = val or []
     first, n = cfg.data.val_max_problems, cfg.algorithm.warmup_eval_problems
     if len(problems) < first + n:
         raise ConfigError(
@@ -188,13 +192,19 @@ def resume(run_dir: Path, policy: Policy, sampler: PromptSampler) -> tuple[Path 
     return None, {}, notes
 
 
-def setup(cfg: RunConfig, role: tuple[distributed.DistEnv, distributed.Link] | None = None) -> Trainer:
+def setup(
+    cfg: RunConfig,
+    role: tuple[distributed.DistEnv, distributed.Link] | None = None,
+    problems: data.RunProblems | None = None,
+) -> Trainer:
     """Process group, data, policy, rollout source, metrics; resume from the newest checkpoint.
 
     Args:
         cfg: the run.
         role: with asynchronous rollouts, this trainer process's place and its link to the generator
             (:func:`nemo_disco.distributed.init_roles`); None: synchronous, the job is the trainer.
+        problems: ``data.train`` and ``data.val`` as the start-up check parsed them; None: parsed here, once, for
+            the warm-up, training and validation alike.
     """
     env = role[0] if role is not None else distributed.init()
     if env.world_size != cfg.world_size:
@@ -209,7 +219,9 @@ def setup(cfg: RunConfig, role: tuple[distributed.DistEnv, distributed.Link] | N
         run_dir.mkdir(parents=True, exist_ok=True)
         config_lib.save(cfg, run_dir / "config.yaml")
     distributed.barrier()
-    model_dir = prepare_model(cfg, run_dir)
+    if problems is None:
+        problems = data.load_run_problems(cfg.data)
+    model_dir = prepare_model(cfg, run_dir, problems)
     if cfg.policy.backend == "megatron":
         # An unsupported architecture stops the run here, in one line, before any engine or policy is built.
         weights.ModelSpec.from_dir(model_dir)
@@ -218,8 +230,9 @@ def setup(cfg: RunConfig, role: tuple[distributed.DistEnv, distributed.Link] | N
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     max_prompt_tokens, prompts_per_step = cfg.generation.max_prompt_tokens, cfg.algorithm.prompts_per_step
+    loaded = problems
     problems, prompt_ids, skipped, dropped = data.train_problems(
-        cfg.data, tokenizer, max_prompt_tokens=max_prompt_tokens, prompts_per_step=prompts_per_step
+        cfg.data, tokenizer, max_prompt_tokens=max_prompt_tokens, prompts_per_step=prompts_per_step, loaded=loaded
     )
     sampler = data.new_sampler(cfg.data, len(problems), prompts_per_step)
     # Synchronous: the generator first (asleep when colocated), so that vLLM finds the GPU's memory free.
@@ -277,9 +290,8 @@ def setup(cfg: RunConfig, role: tuple[distributed.DistEnv, distributed.Link] | N
             )
     else:
         ro = rollouts.build_rollouter(cfg, env, tokenizer, problems, prompt_ids, sampler, generator)
-        source = rollouts.LocalRollouts(
-            ro, policy, ref_policy, data.val_problems(cfg.data, tokenizer, max_prompt_tokens=max_prompt_tokens)
-        )
+        val = data.val_problems(cfg.data, tokenizer, max_prompt_tokens=max_prompt_tokens, loaded=loaded)
+        source = rollouts.LocalRollouts(ro, policy, ref_policy, val)
     return Trainer(
         cfg=cfg,
         env=env,
@@ -352,9 +364,11 @@ def train_step(tr: Trainer) -> dict[str, float]:
         failed = rollouts.reward_errors_line(metrics)
         if failed:  # every step with a failed reward says so (they score 0 and train as negatives)
             tr.logger.write(f"step {tr.step + 1}: {failed}")
-        batch = collate_questions(records, pad_id=tr.tokenizer.pad_token_id)
+        # Every rollout's group id, reward, mask and generator log-probs (the mini-batch objective couples ranks);
+        # the tokens of this rank's rows only, padded to the whole batch's widths.
+        batch = step_rows(records)
         num_mb = tr.cfg.updates_per_step
-        local = batch.select(_local_rows(len(batch), num_mb, policy))
+        local = collate_questions(records, tr.tokenizer.pad_token_id, rows=_local_rows(len(batch), num_mb, policy))
         per_mb_local = len(local) // num_mb
         per_mb = len(batch) // num_mb
         first = update.plan(
@@ -379,13 +393,10 @@ def train_step(tr: Trainer) -> dict[str, float]:
         local = local.with_(old_logprobs=old_local, ref_logprobs=ref_local)
         hooks.point("old_logprobs", step=tr.step + 1)
         old = _gather_rows(old_local, policy, num_mb)  # rows of a one-pass first mini-batch: 0 until it ran
-        weights, _ = losses.rollout_weights(
-            old,
-            batch.gen_logprobs,
-            batch.response_mask,
-            mode=cfg.rollout_correction,
-            cap=cfg.loss.rollout_correction_cap,
-        )
+        # Each rollout's weight once: here from pi_old's log-probs; a one-pass first mini-batch's rows by that pass
+        # (it makes their log-probs), put in place after it. The step's weight metrics read these, not a recount.
+        ratio = correction.log_ratios(old, batch.gen_logprobs, batch.response_mask) if correction.weighted else None
+        weights = correction.weights(ratio) if ratio is not None else None
         forwards = (num_mb - (1 if skip else 0)) / num_mb
         update_metrics: list[dict[str, float]] = []
         plans: list[str] = []
@@ -415,6 +426,9 @@ def train_step(tr: Trainer) -> dict[str, float]:
                 )
                 res = update.run(policy, loss, mb, passes=pl.passes, first_update=m == 0, correction=correction)
                 forwards += res.forwards / num_mb
+                if res.log_ratios is not None and ratio is not None and weights is not None:
+                    ratio[rows] = _gather_rows(res.log_ratios, policy, 1)
+                    weights[rows] = _gather_rows(res.weights, policy, 1)
                 if res.old_logprobs is not None:
                     old_local[rows_local] = res.old_logprobs
                     if res.old_entropy is not None:
@@ -436,14 +450,11 @@ def train_step(tr: Trainer) -> dict[str, float]:
         old = _gather_rows(old_local, policy, num_mb)
     entropy = _gather_rows(ent_local, policy, num_mb)
     mask = batch.response_mask
-    _, w_metrics = losses.rollout_weights(
-        old, batch.gen_logprobs, mask, mode=cfg.rollout_correction, cap=cfg.loss.rollout_correction_cap
-    )
     metrics.update(timer.metrics())
     metrics.setdefault("timing/refit", 0.0)
     metrics.update(_step_metrics(batch, old, entropy, update_metrics, records, cfg.reward.positive_threshold))
     metrics.update(losses.mismatch_metrics(old, batch.gen_logprobs, mask))
-    metrics.update(w_metrics)
+    metrics.update(correction.metrics(ratio, weights))
     metrics["update/forward_passes"] = forwards
     metrics["update/one_pass_updates"] = float(one_pass)
     return metrics
@@ -460,7 +471,7 @@ def _plan_lines(plans: list[str]) -> list[str]:
 
 
 def _step_metrics(
-    batch: RolloutBatch,
+    batch: RolloutBatch | StepRows,
     old: torch.Tensor,
     entropy: torch.Tensor,
     updates: list[dict[str, float]],
@@ -570,8 +581,11 @@ def _collective_timeout_minutes(cfg: RunConfig) -> int:
     return max(30, math.ceil(4 * cfg.cluster.step_timeout_s / 60))
 
 
-def train(cfg: RunConfig) -> dict[str, float]:
+def train(cfg: RunConfig, problems: data.RunProblems | None = None) -> dict[str, float]:
     """Run (or resume) training to ``algorithm.steps``; returns the last step's metrics.
+
+    ``problems``: ``data.train`` and ``data.val`` already parsed (the CLI's start-up check parses them); None:
+    parsed once in :func:`setup`.
 
     A step watchdog and a peer monitor (:mod:`nemo_disco.watchdog`) run beside the loop: a hung step, validation
     or checkpoint save ends the run with exit code 4 (stacks in the log), a dead, frozen or failed rank ends every
@@ -596,12 +610,12 @@ def train(cfg: RunConfig) -> dict[str, float]:
     wd.start()
     try:
         if role is not None and name == "generator":
-            code = rollouts.serve(cfg, env, link, wd)
+            code = rollouts.serve(cfg, env, link, wd, problems)
             wd.stop()
             if code:
                 raise Preempted(code)
             return {}
-        last = _train(cfg, wd, role)
+        last = _train(cfg, wd, role, problems)
     except (Preempted, KeyboardInterrupt):
         wd.stop()
         raise
@@ -618,9 +632,12 @@ def train(cfg: RunConfig) -> dict[str, float]:
 
 
 def _train(
-    cfg: RunConfig, wd: watchdog.Watchdog, role: tuple[distributed.DistEnv, distributed.Link] | None
+    cfg: RunConfig,
+    wd: watchdog.Watchdog,
+    role: tuple[distributed.DistEnv, distributed.Link] | None,
+    problems: data.RunProblems | None = None,
 ) -> dict[str, float]:
-    tr = setup(cfg, role)
+    tr = setup(cfg, role, problems)
     _install_signal_handlers(tr)
     a = cfg.algorithm
     # data.val_every = 0: no validation at all (data.val may still serve the warm-up's target).

@@ -160,6 +160,11 @@ def split_microbatches(batch: RolloutBatch, max_tokens: int, layout: MicrobatchL
     return pack_questions(batch.group_ids, fits)
 
 
+def _widths(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]) -> tuple[int, int]:
+    """The padded widths (P, R) of a batch: its longest prompt, its longest response (at least 1)."""
+    return max((len(p) for p in prompts), default=0), max(1, max((len(r) for r in responses), default=1))
+
+
 def _take(t: torch.Tensor | None, index: torch.Tensor | slice) -> torch.Tensor | None:
     return None if t is None else t[index]
 
@@ -171,16 +176,19 @@ def collate(
     group_ids: Sequence[int],
     rewards: Sequence[float],
     pad_id: int,
+    widths: tuple[int, int] | None = None,
 ) -> RolloutBatch:
     """Pad token lists into a :class:`RolloutBatch` (prompts left, responses right).
 
-    A response may be empty (the generator stopped at once); its mask row is all False.
+    A response may be empty (the generator stopped at once); its mask row is all False. ``widths``: the padded
+    widths (P, R) of a larger batch these rows belong to (None: the longest prompt and response here).
     """
     n = len(prompts)
     if not (len(responses) == len(gen_logprobs) == len(group_ids) == len(rewards) == n):
         raise ValueError("collate: prompts, responses, gen_logprobs, group_ids and rewards differ in length")
-    p_len = max((len(p) for p in prompts), default=0)
-    r_len = max(1, max((len(r) for r in responses), default=1))
+    if widths is None:
+        widths = _widths(prompts, responses)
+    p_len, r_len = widths
     prompt_ids = torch.full((n, p_len), pad_id, dtype=torch.long)
     prompt_mask = torch.zeros((n, p_len), dtype=torch.bool)
     response_ids = torch.full((n, r_len), pad_id, dtype=torch.long)
@@ -237,11 +245,37 @@ class QuestionRollouts:
         return cls(**d)
 
 
-def collate_questions(records: Sequence[QuestionRollouts], pad_id: int) -> RolloutBatch:
+def collate_questions(
+    records: Sequence[QuestionRollouts], pad_id: int, rows: torch.Tensor | Sequence[int] | None = None
+) -> RolloutBatch:
     """A step's rollouts as one batch, question by question.
 
     The rollouts of a question are adjacent rows; those of the ``k``-th question have group id ``k``.
+
+    Args:
+        records: the step's questions.
+        pad_id: the padding token.
+        rows: only these rows (a data-parallel rank's), padded to the whole batch's widths: equal to
+            ``collate_questions(records, pad_id).select(rows)`` without padding the other rows' tokens.
     """
+    prompts, responses, lps, gids, rewards = _flatten(records)
+    if rows is None:
+        return collate(prompts, responses, lps, gids, rewards, pad_id=pad_id)
+    widths = _widths(prompts, responses)
+    take = [int(i) for i in rows]
+    return collate(
+        [prompts[i] for i in take],
+        [responses[i] for i in take],
+        [lps[i] for i in take],
+        [gids[i] for i in take],
+        [rewards[i] for i in take],
+        pad_id=pad_id,
+        widths=widths,
+    )
+
+
+def _flatten(records: Sequence[QuestionRollouts]) -> tuple[list, list, list, list[int], list[float]]:
+    """Prompts, responses, generator log-probs, group ids and rewards of every rollout, question by question."""
     prompts, responses, lps, gids, rewards = [], [], [], [], []
     for k, rec in enumerate(records):
         for resp, lp, r in zip(rec.responses, rec.logprobs, rec.rewards, strict=True):
@@ -250,4 +284,54 @@ def collate_questions(records: Sequence[QuestionRollouts], pad_id: int) -> Rollo
             lps.append(lp)
             gids.append(k)
             rewards.append(r)
-    return collate(prompts, responses, lps, gids, rewards, pad_id=pad_id)
+    return prompts, responses, lps, gids, rewards
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """What the whole-batch objective and a step's metrics read of every rollout: no token ids.
+
+    Every rank holds these for the whole step (the mini-batch objective couples its rows across ranks); its own
+    rows' tokens are in a :class:`RolloutBatch` (:func:`collate_questions` with ``rows``). The fields are those
+    of :class:`RolloutBatch` of the same names, at the whole batch's response width R.
+
+    Attributes:
+        response_mask: [N, R] bool.
+        group_ids: [N] int64.
+        rewards: [N] float.
+        gen_logprobs: [N, R] float32.
+    """
+
+    response_mask: torch.Tensor
+    group_ids: torch.Tensor
+    rewards: torch.Tensor
+    gen_logprobs: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.response_mask.shape[0])
+
+    def select(self, index: torch.Tensor | Sequence[int] | slice) -> StepRows:
+        """Rows ``index`` of every tensor (a view for slices)."""
+        if not isinstance(index, slice):
+            index = torch.as_tensor(index, dtype=torch.long)
+        return replace(self, **{f.name: getattr(self, f.name)[index] for f in fields(self)})
+
+
+def step_rows(records: Sequence[QuestionRollouts]) -> StepRows:
+    """Every rollout's :class:`StepRows`, as :func:`collate_questions` lays them out (the same rows and width)."""
+    _, responses, lps, gids, rewards = _flatten(records)
+    n, r_len = len(responses), max(1, max((len(r) for r in responses), default=1))
+    mask = torch.zeros((n, r_len), dtype=torch.bool)
+    lp = torch.zeros((n, r_len), dtype=torch.float32)
+    for i, (r, g) in enumerate(zip(responses, lps, strict=True)):
+        if len(g) != len(r):
+            raise ValueError(f"collate: rollout {i} has {len(r)} tokens but {len(g)} log-probs")
+        if r:
+            mask[i, : len(r)] = True
+            lp[i, : len(r)] = torch.as_tensor(g, dtype=torch.float32)
+    return StepRows(
+        response_mask=mask,
+        group_ids=torch.as_tensor(gids, dtype=torch.long),
+        rewards=torch.as_tensor(rewards, dtype=torch.float32),
+        gen_logprobs=lp,
+    )

@@ -14,8 +14,12 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from nemo_disco import config as config_lib
+
+if TYPE_CHECKING:
+    from nemo_disco.data import RunProblems
 
 EXIT_USAGE = 2
 
@@ -65,12 +69,12 @@ def _train(args: argparse.Namespace) -> int:
 
     files.check_writable(cfg.logging.run_dir, "logging.run_dir", create=False)  # created once the sources load
     hooks.installed()  # a NEMO_DISCO_HOOKS that does not load: one line now, not a traceback at the first point
-    _check_sources(cfg)
+    problems = _check_sources(cfg)  # parsed once: training reads these, not the files again
     from nemo_disco import algorithm, checkpoint
 
     generators = _spawn_generators(cfg, args, generator_env)
     try:
-        algorithm.train(cfg)
+        algorithm.train(cfg, problems)
     except algorithm.Preempted as stop:
         print(f"nemo-disco: {stop}", file=sys.stderr)
         return stop.code
@@ -223,13 +227,16 @@ def _reap(procs: list, grace_s: float = 60.0) -> None:
             proc.wait()
 
 
-def _check_sources(cfg: config_lib.RunConfig) -> None:
+def _check_sources(cfg: config_lib.RunConfig) -> RunProblems:
     """Fail in seconds, before any model is built, when the model or a data source cannot be loaded.
 
-    Loads ``data.train`` and ``data.val`` as training will (a hub dataset is cached by the load) and checks
-    ``policy.model_path``; each failure is one line naming the source and what was tried.
+    Parses ``data.train`` and ``data.val`` (a hub dataset is cached by the load) and checks ``policy.model_path``;
+    each failure is one line naming the source and what was tried.
+
+    Returns:
+        The parsed problems, which training takes as they are (each source is parsed once per run).
     """
-    from nemo_disco.data import data_kwargs, load_problems
+    from nemo_disco.data import load_run_problems
     from nemo_disco.models import check_model
 
     if cfg.policy.model_path is not None:
@@ -238,9 +245,7 @@ def _check_sources(cfg: config_lib.RunConfig) -> None:
         from nemo_disco.rewards import load_reward_function
 
         load_reward_function(cfg.reward.function)
-    load_problems(cfg.data.train, **data_kwargs(cfg.data))
-    if cfg.data.val:
-        load_problems(cfg.data.val, **data_kwargs(cfg.data, val=True))
+    return load_run_problems(cfg.data)
 
 
 def _report(cfg: config_lib.RunConfig) -> None:

@@ -589,10 +589,44 @@ def encode_run_prompts(
     return _encode_data_prompts(tokenizer, problems, cfg.data, cfg.generation.max_prompt_tokens)
 
 
+@dataclass(frozen=True)
+class RunProblems:
+    """A run's parsed sources, read once and handed on (start-up check, warm-up, training, validation).
+
+    Attributes:
+        train: ``data.train``'s problems, in file order.
+        skipped: its bad rows skipped (``data.on_bad_row=skip``).
+        val: ``data.val``'s problems (bad rows skipped), None without ``data.val``.
+    """
+
+    train: list[Problem]
+    skipped: int
+    val: list[Problem] | None
+
+
+def load_run_problems(data: DataConfig) -> RunProblems:
+    """Parse ``data.train`` and ``data.val`` once, as every later stage of the run reads them."""
+    train, skipped = load_problems(data.train, **data_kwargs(data))
+    val = load_problems(data.val, **data_kwargs(data, val=True))[0] if data.val else None
+    return RunProblems(train, skipped, val)
+
+
 def train_problems(
-    data: DataConfig, tokenizer: Any, *, max_prompt_tokens: int, prompts_per_step: int
+    data: DataConfig,
+    tokenizer: Any,
+    *,
+    max_prompt_tokens: int,
+    prompts_per_step: int,
+    loaded: RunProblems | None = None,
 ) -> tuple[list[Problem], list[list[int]], int, int]:
     """The training questions a run samples from (``data.train``), encoded.
+
+    Args:
+        data: the run's ``data`` section.
+        tokenizer: the policy's tokenizer.
+        max_prompt_tokens: longer prompts are dropped.
+        prompts_per_step: the least number of usable problems.
+        loaded: the run's parsed sources (:func:`load_run_problems`); None: ``data.train`` is parsed here.
 
     Returns:
         Problems, their prompt ids, bad rows skipped, prompts dropped as longer than ``max_prompt_tokens``.
@@ -600,7 +634,10 @@ def train_problems(
     Raises:
         ConfigError: fewer usable problems than ``prompts_per_step`` (``algorithm.prompts_per_step``).
     """
-    problems, skipped = load_problems(data.train, **data_kwargs(data))
+    if loaded is None:
+        problems, skipped = load_problems(data.train, **data_kwargs(data))
+    else:
+        problems, skipped = loaded.train, loaded.skipped
     prompt_ids, kept, dropped = _encode_data_prompts(tokenizer, problems, data, max_prompt_tokens)
     problems = [problems[i] for i in kept]
     if len(problems) < prompts_per_step:
@@ -612,12 +649,17 @@ def train_problems(
 
 
 def val_problems(
-    data: DataConfig, tokenizer: Any, *, max_prompt_tokens: int
+    data: DataConfig, tokenizer: Any, *, max_prompt_tokens: int, loaded: RunProblems | None = None
 ) -> tuple[list[Problem], list[list[int]]] | None:
-    """The validation problems (the first ``data.val_max_problems`` of ``data.val``) and their prompt ids."""
+    """The validation problems (the first ``data.val_max_problems`` of ``data.val``) and their prompt ids.
+
+    ``loaded``: the run's parsed sources (:func:`load_run_problems`); None: ``data.val`` is parsed here.
+    """
     if not data.val:
         return None
-    problems, _ = load_problems(data.val, **data_kwargs(data, val=True))
+    problems = loaded.val if loaded is not None and loaded.val is not None else None
+    if problems is None:
+        problems, _ = load_problems(data.val, **data_kwargs(data, val=True))
     if data.val_max_problems:
         problems = problems[: data.val_max_problems]
     ids, kept, _ = _encode_data_prompts(tokenizer, problems, data, max_prompt_tokens)

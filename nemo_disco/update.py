@@ -37,7 +37,8 @@ import torch
 from torch import Tensor
 
 from nemo_disco import distributed, losses
-from nemo_disco.batch import RolloutBatch, whole_questions
+from nemo_disco.batch import RolloutBatch, StepRows, whole_questions
+from nemo_disco.losses.correction import capped_weights, log_ratios, weight_metrics
 from nemo_disco.policy.base import Policy
 
 
@@ -46,8 +47,8 @@ class Minibatch:
     """One update's rollouts, with what the trainer attached to them.
 
     Attributes:
-        full: the whole mini-batch, every data-parallel rank's rows (group ids, rewards, masks, generator
-            log-probs; its ``old_logprobs`` are not read).
+        full: the whole mini-batch, every data-parallel rank's rows: their group ids, rewards and response masks
+            are read (a :class:`~nemo_disco.batch.StepRows`, or a whole :class:`RolloutBatch`).
         local: this rank's rows of ``full`` (rows ``rows``) with ``ref_logprobs`` attached when the loss needs
             them, and ``old_logprobs`` (pi_old's, float32 [n, R]); None only at a first update taken in one pass,
             which makes them.
@@ -58,7 +59,7 @@ class Minibatch:
             pass) computed from the old log-probs that pass makes, with ``correction``.
     """
 
-    full: RolloutBatch
+    full: RolloutBatch | StepRows
     local: RolloutBatch
     rows: slice
     old_entropy: Tensor | None = None
@@ -67,15 +68,39 @@ class Minibatch:
 
 @dataclass(frozen=True)
 class Correction:
-    """Rollout correction (``losses.rollout_weights``): mode ``none`` or ``seq_tis``, and its cap."""
+    """Rollout correction (``losses.rollout_weights``): mode ``none`` or ``seq_tis``, and its cap.
+
+    The one way the trainer and an update compute rollout weights: each rollout's log ratio once
+    (:meth:`log_ratios`), its weight from it (:meth:`weights`), the step's metrics from both (:meth:`metrics`).
+    """
 
     mode: str = "none"
     cap: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("none", "seq_tis"):
+            raise ValueError(f"rollout correction mode={self.mode!r} must be 'none' or 'seq_tis'")
+        if not self.cap > 0:
+            raise ValueError(f"rollout correction cap={self.cap} must be > 0")
 
     @property
     def weighted(self) -> bool:
         """Whether rollouts carry weights."""
         return self.mode != "none"
+
+    def log_ratios(self, old_logprobs: Tensor, gen_logprobs: Tensor, mask: Tensor) -> Tensor:
+        """[N] float64 log pi_old(o_i) / pi_gen(o_i) of [N, T] token log-probs (``mask``: response tokens)."""
+        return log_ratios(old_logprobs, gen_logprobs, mask)
+
+    def weights(self, log_ratio: Tensor) -> Tensor:
+        """[N] float64 weights of :meth:`log_ratios`' values (``seq_tis``: ratios truncated at ``cap``)."""
+        return capped_weights(log_ratio, self.cap)
+
+    def metrics(self, log_ratio: Tensor | None, weights: Tensor | None) -> dict[str, float]:
+        """``mismatch/weight_*`` and ``mismatch/truncated_share`` of a batch ({} without a correction)."""
+        if not self.weighted or log_ratio is None or weights is None:
+            return {}
+        return weight_metrics(log_ratio, weights, self.cap)
 
 
 @dataclass(frozen=True)
@@ -99,6 +124,7 @@ class Result:
         old_logprobs: [n, R] pi_old's log-probs of ``local`` made by a one-pass first update (float64), else None.
         old_entropy: [n, R] their entropy (with ``old_logprobs``).
         weights: [n] ``local``'s rollout weights made by a one-pass first update, else None.
+        log_ratios: [n] the log ratios those weights come from (:meth:`Correction.log_ratios`), else None.
     """
 
     metrics: dict[str, float]
@@ -107,12 +133,13 @@ class Result:
     old_logprobs: Tensor | None = None
     old_entropy: Tensor | None = None
     weights: Tensor | None = field(default=None, repr=False)
+    log_ratios: Tensor | None = field(default=None, repr=False)
 
 
 def plan(
     policy: Policy,
     loss: losses.Loss,
-    full: RolloutBatch,
+    full: RolloutBatch | StepRows,
     local: RolloutBatch,
     rows: slice,
     *,
@@ -210,7 +237,7 @@ def _two_passes(policy: Policy, loss: losses.Loss, mb: Minibatch, first_update: 
     return Result({**metrics, **out}, forwards)
 
 
-def placeholder_stats(loss: losses.Loss, batch: RolloutBatch) -> Tensor:
+def placeholder_stats(loss: losses.Loss, batch: RolloutBatch | StepRows) -> Tensor:
     """Statistics [N, K] (float64) of log-probs 0 against old log-probs 0: true token counts, KL 0, any scores."""
     mask = batch.response_mask
     zeros = torch.zeros(mask.shape, dtype=torch.float64)
@@ -263,6 +290,7 @@ def _one_pass(
     elif make_weights:
         w_full = torch.ones(len(full), dtype=torch.float64)  # placeholders: only the rows' own weights are read
     w_local = torch.ones(n, dtype=torch.float64) if make_weights else None
+    ratio_local = torch.zeros(n, dtype=torch.float64) if make_weights else None
     nonfinite = [False]
 
     def surrogate_fn(idx: Tensor, lp: Tensor, ent: Tensor | None) -> Tensor:
@@ -281,10 +309,9 @@ def _one_pass(
         rows = idx + start  # [n] rows within the mini-batch
         weights = w_full
         if make_weights:
-            w_rows, _ = losses.rollout_weights(
-                old.cpu(), sub.gen_logprobs, sub.response_mask, mode=correction.mode, cap=correction.cap
-            )
-            w_local[idx] = w_rows
+            r_rows = correction.log_ratios(old.cpu(), sub.gen_logprobs, sub.response_mask)
+            w_rows = correction.weights(r_rows)
+            ratio_local[idx], w_local[idx] = r_rows, w_rows
             weights = w_full.clone()
             weights[rows] = w_rows
         filled = template.clone()
@@ -316,4 +343,5 @@ def _one_pass(
         old_logprobs=old_out,
         old_entropy=ent_out,
         weights=w_local,
+        log_ratios=ratio_local,
     )

@@ -25,6 +25,9 @@ def rollout_weights(
     log space so it never overflows. The objectives use them as self-normalised weights within a question
     (DisCO family) or as per-rollout loss multipliers (GRPO family).
 
+    The same as :func:`log_ratios`, then :func:`capped_weights` and :func:`weight_metrics` (a trainer that gets
+    the rows of a batch at different times computes each row once with those).
+
     Args:
         old_logprobs: [N, T] the training policy's (pi_old) token log-probs.
         gen_logprobs: [N, T] the generator's sampling token log-probs.
@@ -43,22 +46,43 @@ def rollout_weights(
         raise ValueError(f"rollout correction mode={mode!r} must be 'none' or 'seq_tis'")
     if not cap > 0:
         raise ValueError(f"rollout correction cap={cap} must be > 0")
+    log_ratio = log_ratios(old_logprobs, gen_logprobs, mask)
+    w = capped_weights(log_ratio, cap)
+    return w, weight_metrics(log_ratio, w, cap)
+
+
+def log_ratios(old_logprobs: Tensor, gen_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """[N] float64 ``sum_t m (old - gen)``: each rollout's log likelihood ratio log pi_old(o_i) / pi_gen(o_i).
+
+    Args:
+        old_logprobs: [N, T] the training policy's (pi_old) token log-probs.
+        gen_logprobs: [N, T] the generator's sampling token log-probs.
+        mask: [N, T] response tokens.
+    """
     check_tokens(old_logprobs, gen_logprobs, mask)
     with torch.no_grad():
         m = mask.bool()
         diff = torch.where(m, old_logprobs.double() - gen_logprobs.double(), 0.0)  # [N, T]
-        log_ratio = diff.sum(1)  # [N]
-        log_cap = math.log(cap)
-        w = torch.exp(log_ratio.clamp(max=log_cap))  # [N]
+        return diff.sum(1)  # [N]
+
+
+def capped_weights(log_ratio: Tensor, cap: float) -> Tensor:
+    """[N] ``min(exp(log_ratio), cap)``, in log space (``seq_tis``'s weights of :func:`log_ratios`)."""
+    with torch.no_grad():
+        return torch.exp(log_ratio.clamp(max=math.log(cap)))  # [N]
+
+
+def weight_metrics(log_ratio: Tensor, w: Tensor, cap: float) -> dict[str, float]:
+    """The monitoring metrics of :func:`rollout_weights` from a batch's log ratios [N] and weights [N]."""
+    with torch.no_grad():
         n = max(int(w.numel()), 1)
-        metrics = {
-            "mismatch/truncated_share": float((log_ratio > log_cap).double().sum()) / n,
+        return {
+            "mismatch/truncated_share": float((log_ratio > math.log(cap)).double().sum()) / n,
             "mismatch/weight_mean": float(w.mean()) if w.numel() else 0.0,
             "mismatch/weight_min": float(w.min()) if w.numel() else 0.0,
             "mismatch/weight_max": float(w.max()) if w.numel() else 0.0,
             "mismatch/weight_ess_share": float(w.sum() ** 2 / (n * (w**2).sum())) if w.numel() else 0.0,
         }
-    return w, metrics
 
 
 def mismatch_metrics(old_logprobs: Tensor, gen_logprobs: Tensor, mask: Tensor) -> dict[str, float]:

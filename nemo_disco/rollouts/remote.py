@@ -43,7 +43,7 @@ import torch
 from nemo_disco import distributed
 from nemo_disco.batch import QuestionRollouts
 from nemo_disco.config import RunConfig
-from nemo_disco.data import PromptSampler, new_sampler, train_problems, val_problems
+from nemo_disco.data import PromptSampler, RunProblems, new_sampler, train_problems, val_problems
 from nemo_disco.generation import factory
 from nemo_disco.generation.base import buckets
 from nemo_disco.policy.base import Policy
@@ -265,8 +265,12 @@ class _Sender:
             raise RuntimeError(f"sending rollouts to the trainer failed: {self.error}") from self.error
 
 
-def serve(cfg: RunConfig, env: distributed.DistEnv, link: distributed.Link, wd: Any) -> int:
+def serve(
+    cfg: RunConfig, env: distributed.DistEnv, link: distributed.Link, wd: Any, problems: RunProblems | None = None
+) -> int:
     """The generator's processes: sample, grade and send rollouts one step ahead until the trainer says stop.
+
+    ``problems``: ``data.train`` and ``data.val`` already parsed (None: parsed here).
 
     Returns:
         The exit code the trainer asked for.
@@ -281,11 +285,11 @@ def serve(cfg: RunConfig, env: distributed.DistEnv, link: distributed.Link, wd: 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     max_prompt_tokens, prompts_per_step = cfg.generation.max_prompt_tokens, cfg.algorithm.prompts_per_step
     problems, prompt_ids, _, _ = train_problems(
-        cfg.data, tokenizer, max_prompt_tokens=max_prompt_tokens, prompts_per_step=prompts_per_step
+        cfg.data, tokenizer, max_prompt_tokens=max_prompt_tokens, prompts_per_step=prompts_per_step, loaded=problems
     )
     sampler = new_sampler(cfg.data, len(problems), prompts_per_step)
     sampler.load_state_dict(start["sampler"])
-    val = val_problems(cfg.data, tokenizer, max_prompt_tokens=max_prompt_tokens)
+    val = val_problems(cfg.data, tokenizer, max_prompt_tokens=max_prompt_tokens, loaded=problems)
     ro = rollouter.build_rollouter(
         cfg, env, tokenizer, problems, prompt_ids, sampler, factory.build_run_generator(cfg, model_dir)
     )

@@ -246,3 +246,75 @@ def test_a_loss_from_a_module_of_the_users_own_trains_exactly_like_a_built_in(ti
     for key in ("train/loss", "train/objective", "train/alpha", "update/forward_passes", "update/one_pass_updates"):
         assert results["user"][0][key] == results["gpg"][0][key], key
     assert all(torch.equal(a, b) for a, b in zip(results["user"][1], results["gpg"][1], strict=True))
+
+
+def test_a_run_parses_each_data_source_once(tmp_path, monkeypatch):
+    # `nemo-disco train`'s start-up check parses data.train and data.val; the warm-up (trains on data.train,
+    # measures on data.val), the training questions and validation then take those problems, not the files again.
+    # Each real load is counted, as the CLI runs it: check, then setup (a tiny model built and warmed up in code).
+    import json
+
+    from nemo_disco import algorithm, cli, data
+
+    sources = {}
+    for name, split, size in (("train", "train", 64), ("val", "heldout", 16)):
+        path = tmp_path / f"{name}.jsonl"
+        rows = [{"problem": p.problem, "answer": p.answer} for p in data.synthetic_arithmetic(size, 0, split=split)]
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        sources[name] = str(path)
+    loads: list[str] = []
+    load_problems = data.load_problems
+
+    def counted(source, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        loads.append(str(source))
+        return load_problems(source, **kwargs)
+
+    monkeypatch.setattr(data, "load_problems", counted)
+    cfg = parts.load(
+        config.Path(__file__).resolve().parents[2] / "recipes" / "tiny-cpu.yaml",
+        [
+            f"logging.run_dir={tmp_path / 'run'}",
+            f"data.train={sources['train']}",
+            f"data.val={sources['val']}",
+            "data.val_max_problems=8",
+            "algorithm.prompts_per_step=4",
+            "algorithm.minibatch_prompts=4",
+            "algorithm.warmup_sft_steps=2",
+            "algorithm.warmup_eval_every=1",
+            "algorithm.warmup_eval_problems=8",
+            "algorithm.warmup_target=[0.99,1.0]",
+            "algorithm.warmup_cache=false",
+            "logging.progress=false",
+        ],
+    )
+    problems = cli._check_sources(cfg)
+    tr = algorithm.setup(cfg, problems=problems)
+    try:
+        assert (tr.run_dir / "init_model" / "config.json").is_file()  # the warm-up ran, on the problems handed on
+        assert tr.sampler.num_problems == 64  # every training problem, from the one parse
+        assert loads == [sources["train"], sources["val"]]
+    finally:
+        tr.rollouts.close(0)
+
+
+@pytest.mark.parametrize("minibatch_prompts", [2, 4])
+def test_train_step_reports_the_weights_each_rollout_trained_with(tiny_qwen2, tmp_path, minibatch_prompts):
+    # seq_tis with generator log-probs off the policy's own by -0.1, 0 or +0.1 per token: every weight differs
+    # from 1 and some are capped. A one-pass first mini-batch weights its rows inside its pass (it makes pi_old);
+    # the step's metrics are those of the weights used, the same as of pi_old recomputed over the whole batch.
+    from nemo_disco import losses
+    from nemo_disco.algorithm import train_step
+    from nemo_disco.batch import collate_questions
+
+    overrides = [f"algorithm.minibatch_prompts={minibatch_prompts}", "loss.rollout_correction=seq_tis"]
+    tr, _ = _step_case(tiny_qwen2, tmp_path, [*overrides, "loss.rollout_correction_cap=1.5"])
+    own = collate_questions(tr.rollouts.records, pad_id=0).gen_logprobs  # pi_old: the policy's own log-probs
+    for k, rec in enumerate(tr.rollouts.records):
+        for g in range(len(rec.logprobs)):
+            rec.logprobs[g] = [x + 0.1 * ((k + g) % 3 - 1) for x in rec.logprobs[g]]
+    batch = collate_questions(tr.rollouts.records, pad_id=0)
+    _, expected = losses.rollout_weights(own, batch.gen_logprobs, batch.response_mask, mode="seq_tis", cap=1.5)
+    assert 0 < expected["mismatch/truncated_share"] < 1 and expected["mismatch/weight_min"] < 1
+    metrics = train_step(tr)
+    for key, value in expected.items():
+        assert metrics[key] == pytest.approx(value, rel=1e-4), key

@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 
 import pytest
 import torch
 
-from nemo_disco.batch import QuestionRollouts, collate, collate_questions, split_microbatches
+from nemo_disco.batch import (
+    QuestionRollouts,
+    RolloutBatch,
+    StepRows,
+    collate,
+    collate_questions,
+    split_microbatches,
+    step_rows,
+)
 
 
 def _batch(group_ids: list[int] | None = None):
@@ -86,6 +95,28 @@ def test_collate_questions_keeps_a_questions_rollouts_adjacent_and_numbers_group
     assert batch.response_ids.tolist() == [[1, 2, 3], [0, 0, 0], [8, 0, 0], [9, 9, 0]]
     assert batch.response_mask.sum(1).tolist() == [3, 0, 1, 2]
     assert torch.allclose(batch.gen_logprobs[3], torch.tensor([-0.6, -0.7, 0.0]))
+
+
+@pytest.mark.parametrize("rows", [[2, 3], [1, 2], [0], [3, 0]])
+def test_a_ranks_rows_collate_alone_as_the_whole_batch_would_lay_them_out(rows):
+    # A data-parallel rank pads only its own rows, to the whole batch's widths (P 2, R 3: rows 2 and 3 alone have
+    # prompts of 1 token and responses of at most 2): tensor for tensor the rows of the whole batch.
+    whole = collate_questions(_records(), pad_id=0)
+    mine = collate_questions(_records(), pad_id=0, rows=rows)
+    for f in fields(RolloutBatch):
+        a, b = getattr(mine, f.name), getattr(whole.select(rows), f.name)
+        assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(a, b)), f.name
+
+
+def test_step_rows_are_the_whole_batchs_rows_without_their_tokens():
+    whole, rows = collate_questions(_records(), pad_id=0), step_rows(_records())
+    assert len(rows) == len(whole) == 4
+    for f in fields(StepRows):
+        a, b = getattr(rows, f.name), getattr(whole, f.name)
+        assert a.dtype == b.dtype and torch.equal(a, b), f.name
+        assert torch.equal(getattr(rows.select(slice(1, 3)), f.name), b[1:3])
+    with pytest.raises(ValueError, match="rollout 0 has 3 tokens but 2 log-probs"):
+        step_rows([QuestionRollouts(0, [5], [[1, 2, 3]], [[-0.1, -0.2]], ["stop"], [1.0])])
 
 
 def test_records_survive_the_checkpoints_json():
