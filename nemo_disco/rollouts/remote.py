@@ -266,11 +266,11 @@ class _Sender:
 
 
 def serve(
-    cfg: RunConfig, env: distributed.DistEnv, link: distributed.Link, wd: Any, problems: RunProblems | None = None
+    cfg: RunConfig, env: distributed.DistEnv, link: distributed.Link, wd: Any, loaded: RunProblems | None = None
 ) -> int:
     """The generator's processes: sample, grade and send rollouts one step ahead until the trainer says stop.
 
-    ``problems``: ``data.train`` and ``data.val`` already parsed (None: parsed here).
+    ``loaded``: ``data.train`` and ``data.val`` already parsed (None: parsed here).
 
     Returns:
         The exit code the trainer asked for.
@@ -285,11 +285,11 @@ def serve(
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     max_prompt_tokens, prompts_per_step = cfg.generation.max_prompt_tokens, cfg.algorithm.prompts_per_step
     problems, prompt_ids, _, _ = train_problems(
-        cfg.data, tokenizer, max_prompt_tokens=max_prompt_tokens, prompts_per_step=prompts_per_step, loaded=problems
+        cfg.data, tokenizer, max_prompt_tokens=max_prompt_tokens, prompts_per_step=prompts_per_step, loaded=loaded
     )
     sampler = new_sampler(cfg.data, len(problems), prompts_per_step)
     sampler.load_state_dict(start["sampler"])
-    val = val_problems(cfg.data, tokenizer, max_prompt_tokens=max_prompt_tokens, loaded=problems)
+    val = val_problems(cfg.data, tokenizer, max_prompt_tokens=max_prompt_tokens, loaded=loaded)
     ro = rollouter.build_rollouter(
         cfg, env, tokenizer, problems, prompt_ids, sampler, factory.build_run_generator(cfg, model_dir)
     )
