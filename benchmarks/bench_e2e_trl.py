@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as C  # noqa: E402
 
-from nemo_disco import cli  # noqa: E402
+from nemo_disco import cli, losses  # noqa: E402
 
 PROMPTS_PER_STEP = 16
 ROLLOUTS_PER_PROMPT = 8
@@ -110,7 +110,8 @@ def nd_overrides(model_dir: Path, loss: str, tokens: int, steps: int) -> list[st
         "policy.lr_schedule=constant",
         # One micro-batch holding all 128 rollouts, as TRL's per_device_train_batch_size=128.
         f"policy.microbatch_tokens={_rollouts() * (MAX_PROMPT_TOKENS + tokens)}",
-        "loss.kl_coef=0.0",
+        # No KL regulariser, as TRL's beta=0 (a key only the losses that have one take).
+        *(["loss.kl_coef=0.0"] if "kl_coef" in losses.find_loss(loss).hparams.model_fields else []),
     ]
 
 
