@@ -122,18 +122,12 @@ class Rollouter:
                 )
             )
         records = self.gather_engines(records)
-        timeouts, errors, graded = distributed.sum_floats(
-            [grade_metrics.get("reward/timeouts", 0.0), grade_metrics.get("reward/errors", 0.0), float(len(texts))]
-        )
-        if (timeouts or errors) and self.first_reward_error is None:  # every rank agrees on the sums
+        failures = _grading_failures(grade_metrics, len(texts))
+        failed = failures["reward/timeouts"] or failures["reward/errors"]  # every rank agrees on the sums
+        if failed and self.first_reward_error is None:
             mine = self.grader.first_error if self.engines.leader and texts else None
             self.first_reward_error = next((e for e in self.gather_engines([mine]) if e), None)
-        return records, {
-            **timer.metrics(),
-            "reward/timeouts": timeouts,
-            "reward/errors": errors,
-            "reward/graded": graded,
-        }
+        return records, {**timer.metrics(), **failures}
 
     def validate(
         self, problems: list, prompt_ids: list[list[int]], samples: int, seed: int
@@ -162,11 +156,7 @@ class Rollouter:
         # A sample counts as correct when its reward is a positive's (the graders' 1.0; a user reward's share).
         correct = [float(s > self.cfg.reward.positive_threshold) for s in scores]
         local = [sum(correct[k * samples : (k + 1) * samples]) / samples for k in range(len(share))]
-        timeouts, errors, graded = distributed.sum_floats(
-            [grade_metrics.get("reward/timeouts", 0.0), grade_metrics.get("reward/errors", 0.0), float(len(texts))]
-        )
-        failures = {"reward/timeouts": timeouts, "reward/errors": errors, "reward/graded": graded}
-        return self.gather_engines(local), failures
+        return self.gather_engines(local), _grading_failures(grade_metrics, len(texts))
 
     def close(self) -> None:
         """Stop the grading workers and free the generator."""
@@ -267,6 +257,14 @@ def step_rollouts(
         failed = metrics.get("reward/errors", 0.0) + metrics.get("reward/timeouts", 0.0)
         metrics["reward/failed_share"] = failed / metrics["reward/graded"]
     return records, metrics
+
+
+def _grading_failures(grade_metrics: dict[str, float], graded: int) -> dict[str, float]:
+    """The failed rewards (``reward/timeouts``, ``reward/errors``) of ``reward/graded``, summed over every rank."""
+    timeouts, errors, total = distributed.sum_floats(
+        [grade_metrics.get("reward/timeouts", 0.0), grade_metrics.get("reward/errors", 0.0), float(graded)]
+    )
+    return {"reward/timeouts": timeouts, "reward/errors": errors, "reward/graded": total}
 
 
 def reward_errors_line(metrics: dict[str, float]) -> str | None:
