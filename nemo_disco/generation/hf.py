@@ -34,7 +34,7 @@ import logging
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -155,6 +155,19 @@ class HFGenerator:
                 self.decode_path = "kv"
             else:
                 log.info("transformers generator: decoding with generate(), not the KV-cached loop: %s", reason)
+
+    @classmethod
+    def build(cls, model_dir: str | Path, *, dtype: str | None, params: Any, **_: Any) -> HFGenerator:
+        """The factory's constructor (:mod:`nemo_disco.generators`): ``params`` are ``generators.HFParams``."""
+        options: dict[str, Any] = {} if dtype is None else {"dtype": dtype}
+        if params is not None:
+            options.update(batch_size=params.hf_batch_size, decode=params.hf_decode)
+        return cls(model_dir, **options)
+
+    @staticmethod
+    def run_options(cfg: Any) -> dict[str, Any]:
+        """A training run's further settings: none (its section's keys are its ``params``)."""
+        return {}
 
     @torch.inference_mode()
     def generate(

@@ -45,13 +45,14 @@ import gc
 import hashlib
 import logging
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from nemo_disco import distributed
-from nemo_disco.config import OWN_GPU_MEMORY_UTILIZATION, ConfigError
+from nemo_disco import distributed, generators
+from nemo_disco.config import OWN_GPU_MEMORY_UTILIZATION, ConfigError, RunConfig
 from nemo_disco.generation.base import Rollout, SamplingParams, buckets
 from nemo_disco.generation.hf import WeightSpec, trim_at_stop
 from nemo_disco.weights import checkpoint_shapes
@@ -138,6 +139,43 @@ class VLLMGenerator:
         distributed_executor_backend: None = "external_launcher" when the job has several processes,
             else vLLM's default (one process).
     """
+
+    @classmethod
+    def build(
+        cls,
+        model_dir: str | Path,
+        *,
+        seed: int,
+        max_model_len: int,
+        tensor_parallel_size: int,
+        dtype: str | None,
+        engine: Mapping[str, Any] | None,
+        **_: Any,
+    ) -> VLLMGenerator:
+        """The factory's constructor (:mod:`nemo_disco.generators`); ``engine``: more keyword arguments."""
+        options: dict[str, Any] = {} if dtype is None else {"dtype": dtype}
+        options.update(engine or {})
+        return cls(
+            model_dir, tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len, seed=seed, **options
+        )
+
+    @staticmethod
+    def run_options(cfg: RunConfig) -> dict[str, Any]:
+        """A training run's engine settings.
+
+        Its ``generation`` section, the ``auto`` values resolved by the generator's place
+        (:func:`nemo_disco.generators.gpu_memory_utilization` / :func:`~nemo_disco.generators.sleep_level`), and
+        dummy weights (the policy's arrive with the first refit).
+        """
+        own = generators.params_of(cfg, "vllm")
+        return {
+            "gpu_memory_utilization": generators.gpu_memory_utilization(cfg),
+            "enforce_eager": own.enforce_eager,
+            "max_num_batched_tokens": own.max_num_batched_tokens,
+            "sleep_level": generators.sleep_level(cfg),
+            "load_format": "dummy",
+            "refit_bucket_mb": cfg.generation.refit_bucket_mb,
+        }
 
     def __init__(
         self,

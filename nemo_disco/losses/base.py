@@ -66,13 +66,16 @@ def validation_message(err: ValidationError, prefix: str = "") -> str:
 
     ``prefix`` is put before each key (``loss.`` in the run config's spelling).
     """
-    parts = []
+    found: dict[str, list[str]] = {}
     for e in err.errors():
-        loc = prefix + ".".join(str(x) for x in e["loc"])
+        # A union's members name themselves in the location (constrained-float, literal['auto']): one key, its
+        # members' messages joined by "or".
+        keys = [str(x) for x in e["loc"] if isinstance(x, int) or str(x).isidentifier()]
         msg = e["msg"].removeprefix("Value error, ")
         msg = msg[:1].lower() + msg[1:]
-        parts.append(f"{loc}={e['input']!r}: {msg}" if e["loc"] else msg)
-    return "; ".join(parts)
+        head = f"{prefix}{'.'.join(keys)}={e['input']!r}" if keys else ""
+        found.setdefault(head, []).append(msg)
+    return "; ".join(f"{head}: {' or '.join(msgs)}" if head else " or ".join(msgs) for head, msgs in found.items())
 
 
 # ----------------------------------------------------------------------------------------------------------------------

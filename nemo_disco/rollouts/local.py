@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from nemo_disco import generators
 from nemo_disco.batch import QuestionRollouts
 from nemo_disco.config import RunConfig
 from nemo_disco.generation import factory
@@ -34,8 +35,8 @@ def start_generator(cfg: RunConfig, model_dir: Path) -> Generator:
 
 
 def is_colocated(cfg: RunConfig) -> bool:
-    """Whether the generator shares the trainer's GPU (vLLM on a GPU) and the two take turns with it."""
-    return cfg.generation.backend == "vllm" and torch.cuda.is_available()
+    """Whether the generator shares the trainer's GPU (a backend that colocates, vLLM, on a GPU) and they take turns."""
+    return generators.get_backend(cfg.generation.backend).colocates and torch.cuda.is_available()
 
 
 @contextlib.contextmanager

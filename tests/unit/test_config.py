@@ -267,9 +267,6 @@ def test_generation_engines_fit_a_node():
         config.ConfigError, match=r"generation.tensor_parallel_size=3 must divide cluster.gpus_per_node=8"
     ):
         config.validate(raw)
-    raw = {**base, "generation": {**base["generation"], "tensor_parallel_size": 2, "backend": "hf"}}
-    with pytest.raises(config.ConfigError, match="needs generation.backend=vllm"):
-        config.validate(raw)
     # Policy TP 2 with generation TP 1 (the 7B / 8B recipes) is a valid pairing: generation is split by engine.
     raw = {**base, "policy": {**base["policy"], "tensor_parallel_size": 2}}
     assert config.validate(raw).generation.tensor_parallel_size == 1
@@ -348,34 +345,6 @@ def test_activation_checkpointing_is_false_selective_or_full_and_true_reads_as_f
         config.ConfigError, match=r"^policy.activation_checkpointing=selective needs policy.backend=megatron"
     ):
         config.load(EXEMPLAR, [*base, "policy.activation_checkpointing=selective", "policy.backend=hf"])
-
-
-def test_engine_share_and_sleep_level_resolve_by_where_the_generator_runs(tmp_path):
-    base = [f"logging.run_dir={tmp_path}"]
-    sync = config.load(EXEMPLAR, base)
-    assert (sync.generation.gpu_memory_utilization, sync.generation.sleep_level) == ("auto", "auto")
-    assert (sync.engine_gpu_memory_utilization, sync.engine_sleep_level) == (config.COLOCATED_GPU_MEMORY_UTILIZATION, 2)
-    assert sync.generation.enforce_eager is False
-    layout = ["algorithm.async_rollouts=true", "cluster.generation_gpus_per_node=2", "cluster.gpus_per_node=6"]
-    layout += ["algorithm.prompts_per_step=96", "algorithm.minibatch_prompts=24"]
-    asynchronous = config.load(EXEMPLAR, [*base, *layout])
-    assert asynchronous.engine_gpu_memory_utilization == config.OWN_GPU_MEMORY_UTILIZATION == 0.9
-    assert asynchronous.engine_sleep_level == 0
-    stated = config.load(EXEMPLAR, [*base, "generation.gpu_memory_utilization=0.5", "generation.sleep_level=1"])
-    assert (stated.engine_gpu_memory_utilization, stated.engine_sleep_level) == (0.5, 1)
-    with pytest.raises(config.ConfigError, match=r"generation.gpu_memory_utilization"):
-        config.load(EXEMPLAR, [*base, "generation.gpu_memory_utilization=1.5"])
-
-
-@pytest.mark.parametrize("names", [["cyc"], ["one", "two"]])
-def test_a_recipe_that_includes_itself_is_named_with_its_loop(tmp_path, names):
-    for name, nxt in zip(names, names[1:] + names[:1], strict=True):
-        (tmp_path / f"{name}.yaml").write_text(f"defaults: [{nxt}, _self_]\nalgorithm:\n  steps: 2\n")
-    loop = " -> ".join(f"{n}.yaml" for n in [*names, names[0]])
-    with pytest.raises(config.ConfigError) as err:
-        config.load(tmp_path / f"{names[0]}.yaml")
-    first = tmp_path.resolve() / f"{names[0]}.yaml"
-    assert str(err.value) == f"{first}: its defaults: list includes itself ({loop}); remove the entry that loops"
 
 
 def test_an_override_with_non_ascii_characters_needs_no_quotes():

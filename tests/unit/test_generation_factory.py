@@ -30,7 +30,7 @@ def test_evaluation_gets_the_backends_defaults_and_training_its_recipes_settings
 
 
 def test_an_unknown_backend_is_one_line():
-    with pytest.raises(ValueError, match="backend='sglang': expected 'hf' or 'vllm'"):
+    with pytest.raises(ValueError, match="^unknown generator backend 'sglang'; registered: vllm, hf$"):
         build_generator("any", "sglang", seed=0, max_model_len=1, tensor_parallel_size=1)
 
 
