@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "nemo_disco"
 #: docs/architecture.md's table: a module (or a package's modules) and its layer.
 LAYERS = {
     **dict.fromkeys(["losses", "batch", "stats", "files", "metrics", "ranks", "distributed", "rewards"], 0),
-    **dict.fromkeys(["config", "parts", "weights", "watchdog"], 1),
+    **dict.fromkeys(["config", "parts", "generators", "weights", "watchdog"], 1),
     **dict.fromkeys(["data", "models", "policy", "generation", "checkpoint", "update"], 2),
     "rollouts": 3,
     **dict.fromkeys(["algorithm", "evaluation", "convert", "prepare", "tiny", "plan"], 4),
