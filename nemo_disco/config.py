@@ -65,7 +65,7 @@ class _PartSection(_Section):
 class TinyModelConfig(_Section):
     """A randomly initialised model built in code (CPU demo and tests; nothing from a hub)."""
 
-    # A model_type of nemo_disco.families.FAMILIES: qwen2, llama, qwen3, qwen3_moe.
+    # A registered model family's model_type (nemo_disco.families.FAMILIES; a wrong one is told the names).
     architecture: str = "qwen2"
     num_layers: int = Field(2, ge=1)
     hidden_size: int = Field(64, ge=8)
