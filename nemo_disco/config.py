@@ -25,7 +25,9 @@ from typing import Annotated, Any, ClassVar, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
+from pydantic_core import PydanticCustomError
 
+from nemo_disco import families
 from nemo_disco.stats import DEFAULT_REPLICATES
 
 
@@ -63,7 +65,8 @@ class _PartSection(_Section):
 class TinyModelConfig(_Section):
     """A randomly initialised model built in code (CPU demo and tests; nothing from a hub)."""
 
-    architecture: Literal["qwen2", "llama", "qwen3", "qwen3_moe"] = "qwen2"
+    # A registered model family's model_type (nemo_disco.families.FAMILIES; a wrong one is told the names).
+    architecture: str = "qwen2"
     num_layers: int = Field(2, ge=1)
     hidden_size: int = Field(64, ge=8)
     num_attention_heads: int = Field(4, ge=1)
@@ -77,6 +80,15 @@ class TinyModelConfig(_Section):
     num_experts: int = Field(4, ge=1)
     num_experts_per_tok: int = Field(2, ge=1)
     moe_intermediate_size: int = Field(64, ge=8)
+
+    @field_validator("architecture", mode="before")
+    @classmethod
+    def _registered_family(cls, value: Any) -> Any:
+        if not isinstance(value, str) or value not in families.FAMILIES:
+            names = [repr(n) for n in families.FAMILIES]
+            choices = f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else names[0]
+            raise PydanticCustomError("family", "Input should be {choices}", {"choices": choices})
+        return value
 
     @model_validator(mode="after")
     def _heads(self) -> TinyModelConfig:

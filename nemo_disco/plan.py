@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nemo_disco import generators
+from nemo_disco import families, generators
 
 GIB = 1024**3
 #: Megatron's default ``make_vocab_size_divisible_by`` (``nemo_disco.weights.DEFAULT_VOCAB_MULTIPLE``).
@@ -117,15 +117,15 @@ class Shapes:
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any], source: str) -> Shapes:
-        """Parse the fields of a Qwen2 / Llama / Qwen3 / Qwen3-MoE ``config.json``."""
+        """Parse the fields of a ``config.json`` of a registered family (:data:`nemo_disco.families.FAMILIES`)."""
         try:
-            arch = str(config["model_type"])
+            family = families.get_family(config["model_type"])
             heads = int(config["num_attention_heads"])
             hidden = int(config["hidden_size"])
             experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
             return cls(
                 source=source,
-                model_type=arch,
+                model_type=family.model_type,
                 layers=int(config["num_hidden_layers"]),
                 hidden=hidden,
                 heads=heads,
@@ -134,14 +134,16 @@ class Shapes:
                 ffn=int(config["intermediate_size"]),
                 vocab=int(config["vocab_size"]),
                 tied=bool(config.get("tie_word_embeddings", False)),
-                qkv_bias=arch == "qwen2",
-                qk_norm=arch in ("qwen3", "qwen3_moe"),
-                experts=experts if arch == "qwen3_moe" else 0,
-                topk=int(config.get("num_experts_per_tok") or 0) if arch == "qwen3_moe" else 0,
-                moe_ffn=int(config.get("moe_intermediate_size") or 0) if arch == "qwen3_moe" else 0,
+                qkv_bias=family.qkv_bias,
+                qk_norm=family.qk_norm,
+                experts=experts if family.moe else 0,
+                topk=int(config.get("num_experts_per_tok") or 0) if family.moe else 0,
+                moe_ffn=int(config.get("moe_intermediate_size") or 0) if family.moe else 0,
             )
         except KeyError as err:
             raise PlanError(f"{source}: no {err.args[0]}") from None
+        except ValueError as err:  # an unregistered family, or a value that is not a number
+            raise PlanError(f"{source}: {err}") from None
 
     @property
     def is_moe(self) -> bool:

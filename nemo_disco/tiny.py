@@ -3,13 +3,14 @@
 The tokenizer is character-level (every printable ASCII character is a token, spelled in the GPT-2
 byte-level alphabet so that transformers' Qwen2 tokenizer class, which it picks from the model type,
 reads it the same way) with ChatML special tokens and a chat template, saved as a regular
-``PreTrainedTokenizerFast`` folder; the model is a randomly initialised Qwen2, Llama, Qwen3 or Qwen3-MoE
-saved as a regular Hugging Face folder (config.json + model.safetensors), so every backend loads it exactly
-as it would load a real checkpoint.
+``PreTrainedTokenizerFast`` folder; the model is a randomly initialised model of a registered family
+(:mod:`nemo_disco.families`: Qwen2, Llama, Qwen3, Qwen3-MoE) saved as a regular Hugging Face folder
+(config.json + model.safetensors), so every backend loads it exactly as it would load a real checkpoint.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from nemo_disco import files
+from nemo_disco import families, files
 from nemo_disco.config import TinyModelConfig
 
 log = logging.getLogger(__name__)
@@ -79,24 +80,21 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def hf_config(tiny: TinyModelConfig, vocab_size: int = VOCAB_SIZE, eos_token_id: int = 1, pad_token_id: int = 0):  # noqa: ANN201
-    """The transformers config of a tiny model."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    """The transformers config of a tiny model: its family's config class and fixed keys (``families``)."""
+    import transformers
 
-    classes = {"qwen2": Qwen2Config, "llama": LlamaConfig, "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig}
+    family = families.get_family(tiny.architecture)
     extra: dict = {}
     if tiny.head_dim is not None:
         extra["head_dim"] = tiny.head_dim
-    if tiny.architecture == "qwen3_moe":
-        # Every layer sparse, top-k probabilities renormalised: the Qwen3-30B-A3B layout.
+    if family.moe:
         extra.update(
             num_experts=tiny.num_experts,
             num_experts_per_tok=tiny.num_experts_per_tok,
             moe_intermediate_size=tiny.moe_intermediate_size,
-            norm_topk_prob=True,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
         )
-    return classes[tiny.architecture](
+    extra.update(copy.deepcopy(dict(family.tiny_config)))
+    return getattr(transformers, family.config_class)(
         vocab_size=vocab_size,
         hidden_size=tiny.hidden_size,
         intermediate_size=tiny.intermediate_size,

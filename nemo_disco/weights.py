@@ -1,12 +1,13 @@
 """Hugging Face <-> Megatron-Core GPTModel weight maps and streaming export.
 
-Families: Qwen2 / Qwen2.5 (``qwen2``), Llama 3.x (``llama``), Qwen3 dense (``qwen3``) and Qwen3-MoE
-(``qwen3_moe``). The map is the project's own: Megatron-Bridge, which provides such maps upstream, needs
+For the model families of :mod:`nemo_disco.families` (Qwen2 / Qwen2.5, Llama 3.x, Qwen3 dense and Qwen3-MoE
+today). The map is the project's own: Megatron-Bridge, which provides such maps upstream, needs
 Python >= 3.12, megatron-core >= 0.19 and GPU-only dependencies, while the CPU stack runs Python 3.11 and
 megatron-core 0.16.1.
 
-One table per architecture lists, for every tensor, its Hugging Face name(s), its Megatron-Core name(s)
-(the local layer spec's name first, then the Transformer Engine spec's), its kind and its HF shape(s):
+Each family's table (``nemo_disco.families``, where the families are declared) lists, for every tensor, its
+Hugging Face name(s), its Megatron-Core name(s) (the local layer spec's name first, then the Transformer Engine
+spec's), its kind and its HF shape(s); this module shards them. The kinds:
 
 - ``replicated``: the same full tensor on every tensor-parallel (TP) rank (norms, Qwen3's per-head q / k
   norms, the MoE router);
@@ -35,8 +36,9 @@ HF names are checkpoint names: those of the safetensors files, the hub and vLLM.
 MoE layer's experts fused in memory (``mlp.experts.gate_up_proj`` [E, 2I, h], ``mlp.experts.down_proj``
 [E, h, I]); :func:`to_checkpoint_layout` and :func:`to_module_layout` translate between the two.
 
-Adding an architecture is adding a table to :data:`TABLES` (and, if its config differs, a branch in
-:meth:`ModelSpec.from_hf_config`).
+Adding an architecture is registering a :class:`nemo_disco.families.Family` with its table and features (qkv bias,
+q / k norms, routed experts), which :meth:`ModelSpec.from_hf_config` reads; a config that differs in other ways
+needs a branch there.
 """
 
 from __future__ import annotations
@@ -51,26 +53,25 @@ from typing import Any
 
 import torch
 
-from nemo_disco import distributed
-
-REPLICATED, ROW, VOCAB, QKV, GATE_UP = "replicated", "row", "vocab", "qkv", "gate_up"
+from nemo_disco import distributed, families
+from nemo_disco.families import (  # noqa: F401  (re-exported: the tables are the families')
+    GATE_UP,
+    LLAMA,
+    QKV,
+    QWEN2,
+    QWEN3,
+    QWEN3_MOE,
+    REPLICATED,
+    ROW,
+    VOCAB,
+    Entry,
+)
 
 #: Torch dtypes by the names the config uses (``policy.dtype``, the generator's dtype).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 #: Megatron's default ``make_vocab_size_divisible_by``.
 DEFAULT_VOCAB_MULTIPLE = 128
-
-#: Well-known model types that need what the Megatron model here does not build, and why.
-UNSUPPORTED_MODEL_TYPES = {
-    "qwen3_next": "linear attention (Gated DeltaNet layers)",
-    "qwen2_moe": "shared experts",
-    "gpt_oss": "attention sinks and sliding-window layers",
-    "gemma2": "sliding-window layers and logit soft-capping",
-    "gemma3_text": "sliding-window layers",
-    "mistral": "sliding-window attention",
-    "deepseek_v3": "multi-latent attention",
-}
 
 
 @dataclass(frozen=True)
@@ -107,15 +108,16 @@ class ModelSpec:
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any], source: str = "config.json") -> ModelSpec:
-        """Parse a Hugging Face config dict (Qwen2 / Qwen2.5, Llama 3.x, Qwen3, Qwen3-MoE).
+        """Parse a Hugging Face config dict of a registered family (:data:`nemo_disco.families.FAMILIES`).
 
         Raises:
             ValueError: an unsupported architecture or feature, one line naming ``source`` and the key.
         """
         arch = config.get("model_type")
-        if arch not in TABLES:
-            why = f" ({UNSUPPORTED_MODEL_TYPES[arch]})" if arch in UNSUPPORTED_MODEL_TYPES else ""
-            raise ValueError(f"{source}: model_type={arch!r} is not supported{why}; supported: {sorted(TABLES)}")
+        try:
+            family = families.get_family(arch)
+        except ValueError as err:
+            raise ValueError(f"{source}: {err}") from None
         if config.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{source}: hidden_act={config['hidden_act']!r} is not supported (only silu)")
         for key in ("attention_bias", "mlp_bias", "use_sliding_window"):
@@ -144,7 +146,7 @@ class ModelSpec:
         groups = int(config.get("num_key_value_heads") or heads)
         hidden = int(config["hidden_size"])
         moe: dict[str, Any] = {}
-        if arch == "qwen3_moe":
+        if family.moe:
             moe = cls._moe_fields(config, source)
         return cls(
             architecture=arch,
@@ -156,18 +158,18 @@ class ModelSpec:
             ffn_hidden_size=int(config["intermediate_size"]),
             vocab_size=int(config["vocab_size"]),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "qwen2",
+            qkv_bias=family.qkv_bias,
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
             rope_scaling_factor=factor,
-            qk_layernorm=arch in ("qwen3", "qwen3_moe"),
+            qk_layernorm=family.qk_norm,
             **moe,
         )
 
     @staticmethod
     def _moe_fields(config: Mapping[str, Any], source: str) -> dict[str, Any]:
-        """Qwen3-MoE: every layer sparse, no shared experts (anything else fails naming its key)."""
+        """Routed experts (Qwen3-MoE's keys): every layer sparse, no shared experts (else fails naming its key)."""
         if int(config.get("decoder_sparse_step", 1)) != 1:
             raise ValueError(
                 f"{source}: decoder_sparse_step={config['decoder_sparse_step']} is not supported (every layer MoE: 1)"
@@ -181,7 +183,7 @@ class ModelSpec:
         # The hub's config.json says num_experts; transformers >= 5 saves num_local_experts.
         experts = config.get("num_experts") or config.get("num_local_experts")
         if not experts:
-            raise ValueError(f"{source}: model_type=qwen3_moe without num_experts")
+            raise ValueError(f"{source}: model_type={config.get('model_type')} without num_experts")
         return {
             "num_experts": int(experts),
             "moe_ffn_hidden_size": int(config["moe_intermediate_size"]),
@@ -206,108 +208,6 @@ def padded_vocab_size(vocab_size: int, tp_size: int, multiple: int = DEFAULT_VOC
     """
     step = math.lcm(multiple, tp_size)
     return -(-vocab_size // step) * step
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One row of a weight table.
-
-    ``{layer}`` in a name is the (global HF / local mcore) layer index, ``{expert}`` the (global HF / local
-    mcore) expert index. ``dims`` names each HF tensor's dimensions (see :func:`hf_shapes`).
-    """
-
-    hf: tuple[str, ...]
-    mcore: tuple[str, ...]
-    kind: str
-    dims: tuple[tuple[str, ...], ...]
-    #: Owning pipeline stage of a non-layer entry: "first" or "last".
-    stage: str = "last"
-    #: Only present when the embeddings are not tied (the output layer).
-    untied_only: bool = False
-
-    @property
-    def per_layer(self) -> bool:
-        """Whether the entry repeats for every decoder layer."""
-        return "{layer}" in self.hf[0]
-
-    @property
-    def per_expert(self) -> bool:
-        """Whether the entry repeats for every expert of a MoE layer (split over expert-parallel ranks)."""
-        return "{expert}" in self.hf[0]
-
-
-_H = "model.layers.{layer}."
-_M = "decoder.layers.{layer}."
-_HIDDEN = ("hidden",)
-_EMBED = Entry(
-    ("model.embed_tokens.weight",), ("embedding.word_embeddings.weight",), VOCAB, (("vocab", "hidden"),), "first"
-)
-_INPUT_NORM = Entry(
-    (_H + "input_layernorm.weight",),
-    (_M + "input_layernorm.weight", _M + "self_attention.linear_qkv.layer_norm_weight"),
-    REPLICATED,
-    (_HIDDEN,),
-)
-_QKV = Entry(
-    (_H + "self_attn.q_proj.weight", _H + "self_attn.k_proj.weight", _H + "self_attn.v_proj.weight"),
-    (_M + "self_attention.linear_qkv.weight",),
-    QKV,
-    (("q", "hidden"), ("kv", "hidden"), ("kv", "hidden")),
-)
-_QKV_BIAS = Entry(
-    (_H + "self_attn.q_proj.bias", _H + "self_attn.k_proj.bias", _H + "self_attn.v_proj.bias"),
-    (_M + "self_attention.linear_qkv.bias",),
-    QKV,
-    (("q",), ("kv",), ("kv",)),
-)
-_Q_NORM = Entry(
-    (_H + "self_attn.q_norm.weight",), (_M + "self_attention.q_layernorm.weight",), REPLICATED, (("head_dim",),)
-)
-_K_NORM = Entry(
-    (_H + "self_attn.k_norm.weight",), (_M + "self_attention.k_layernorm.weight",), REPLICATED, (("head_dim",),)
-)
-_O = Entry((_H + "self_attn.o_proj.weight",), (_M + "self_attention.linear_proj.weight",), ROW, (("hidden", "q"),))
-_POST_NORM = Entry(
-    (_H + "post_attention_layernorm.weight",),
-    (_M + "pre_mlp_layernorm.weight", _M + "mlp.linear_fc1.layer_norm_weight"),
-    REPLICATED,
-    (_HIDDEN,),
-)
-_GATE_UP = Entry(
-    (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"),
-    (_M + "mlp.linear_fc1.weight",),
-    GATE_UP,
-    (("ffn", "hidden"), ("ffn", "hidden")),
-)
-_DOWN = Entry((_H + "mlp.down_proj.weight",), (_M + "mlp.linear_fc2.weight",), ROW, (("hidden", "ffn"),))
-_ROUTER = Entry((_H + "mlp.gate.weight",), (_M + "mlp.router.weight",), REPLICATED, (("experts", "hidden"),))
-_EXPERT = "mlp.experts.{expert}."
-_EXPERT_GATE_UP = Entry(
-    (_H + _EXPERT + "gate_proj.weight", _H + _EXPERT + "up_proj.weight"),
-    (_M + "mlp.experts.local_experts.{expert}.linear_fc1.weight", _M + "mlp.experts.linear_fc1.weight{expert}"),
-    GATE_UP,
-    (("moe_ffn", "hidden"), ("moe_ffn", "hidden")),
-)
-_EXPERT_DOWN = Entry(
-    (_H + _EXPERT + "down_proj.weight",),
-    (_M + "mlp.experts.local_experts.{expert}.linear_fc2.weight", _M + "mlp.experts.linear_fc2.weight{expert}"),
-    ROW,
-    (("hidden", "moe_ffn"),),
-)
-_FINAL_NORM = Entry(("model.norm.weight",), ("decoder.final_layernorm.weight",), REPLICATED, (_HIDDEN,))
-_LM_HEAD = Entry(("lm_head.weight",), ("output_layer.weight",), VOCAB, (("vocab", "hidden"),), untied_only=True)
-
-_ATTENTION = (_INPUT_NORM, _QKV)
-QWEN2: tuple[Entry, ...] = (_EMBED, *_ATTENTION, _QKV_BIAS, _O, _POST_NORM, _GATE_UP, _DOWN, _FINAL_NORM, _LM_HEAD)
-LLAMA: tuple[Entry, ...] = (_EMBED, *_ATTENTION, _O, _POST_NORM, _GATE_UP, _DOWN, _FINAL_NORM, _LM_HEAD)
-QWEN3: tuple[Entry, ...] = (
-    _EMBED, *_ATTENTION, _Q_NORM, _K_NORM, _O, _POST_NORM, _GATE_UP, _DOWN, _FINAL_NORM, _LM_HEAD,
-)  # fmt: skip
-QWEN3_MOE: tuple[Entry, ...] = (
-    _EMBED, *_ATTENTION, _Q_NORM, _K_NORM, _O, _POST_NORM, _ROUTER, _EXPERT_GATE_UP, _EXPERT_DOWN, _FINAL_NORM,
-    _LM_HEAD,
-)  # fmt: skip
-TABLES: dict[str, tuple[Entry, ...]] = {"qwen2": QWEN2, "llama": LLAMA, "qwen3": QWEN3, "qwen3_moe": QWEN3_MOE}
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -441,7 +341,7 @@ def placements(spec: ModelSpec, pp_size: int) -> list[Placement]:
     """
     out: list[Placement] = []
     last = pp_size - 1
-    for entry in TABLES[spec.architecture]:
+    for entry in families.get_family(spec.architecture).table:
         if entry.untied_only and spec.tie_word_embeddings:
             continue
         if entry.per_layer:
@@ -560,7 +460,7 @@ def load_hf_into(
     if spec.tie_word_embeddings and "output_layer.weight" in params:
         # PP > 1 with tied embeddings: the last stage's output layer starts as a copy of the embedding.
         name = "output_layer.weight"
-        _copy_shard(params[name], VOCAB, _EMBED.hf, name, read, spec, tp_size, tp_rank, padded_vocab)
+        _copy_shard(params[name], VOCAB, families.EMBED.hf, name, read, spec, tp_size, tp_rank, padded_vocab)
         filled.add(name)
     missing = sorted(set(params) - filled)
     if missing:

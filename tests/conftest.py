@@ -93,6 +93,36 @@ def tiny_qwen3_moe(tmp_path_factory):
     return build_model(tiny, tmp_path_factory.mktemp("q3moe"), seed=2)
 
 
+@pytest.fixture(scope="session")
+def tiny_default_models(tmp_path_factory):
+    """A registered family's tiny model with the tiny defaults (``TinyModelConfig``), built once per session."""
+    from nemo_disco.config import TinyModelConfig
+    from nemo_disco.tiny import build_model
+
+    built: dict[str, Path] = {}
+
+    def model_dir(model_type: str) -> Path:
+        if model_type not in built:
+            out = tmp_path_factory.mktemp(f"tiny_{model_type}")
+            built[model_type] = build_model(TinyModelConfig(architecture=model_type), out, seed=0)
+        return built[model_type]
+
+    return model_dir
+
+
+@pytest.fixture
+def tiny_family(request, tiny_default_models) -> Path:
+    """The tiny model of the family ``request.param`` (parametrize it indirectly over ``families.FAMILIES``).
+
+    The family's own fixture ``tiny_<model_type>`` above where it has one (shaped like a real model of it), else
+    its model with the tiny defaults: a family added to the registry is tested with no fixture of its own.
+    """
+    try:
+        return request.getfixturevalue(f"tiny_{request.param}")
+    except pytest.FixtureLookupError:
+        return tiny_default_models(request.param)
+
+
 # Shared check modules (tests/generation_checks.py) importable from every test folder.
 import sys  # noqa: E402
 

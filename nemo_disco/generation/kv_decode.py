@@ -12,10 +12,10 @@ product over weights concatenated once per call, the rotary cos / sin of every s
 attention's padding mask is an additive bias made once; RMSNorms (float32), plain linear layers and SiLU are
 called as functions on the modules' weights, not through the modules (the same ops, bit for bit).
 
-Supported: the families of :data:`FAMILIES` (``model_type`` qwen2, llama, qwen3 and qwen3_moe, the project's
-architectures) without sliding-window attention. Qwen3's per-head RMSNorms of queries and keys (``q_norm`` /
-``k_norm``, before RoPE) are applied where its attention applies them; a Qwen3-MoE layer's MLP is its sparse
-block, called as a module.
+Supported: the families of :mod:`nemo_disco.families` that declare ``kv_decode`` (:func:`decodable`: today every
+registered one, ``model_type`` qwen2, llama, qwen3 and qwen3_moe) without sliding-window attention. A family's
+``qk_norm`` (Qwen3's per-head RMSNorms of queries and keys, ``q_norm`` / ``k_norm``, before RoPE) is applied where
+its attention applies them; a Qwen3-MoE layer's MLP is its sparse block, called as a module.
 
 The loop relies on transformers' module layout, which a transformers release may change. :func:`unsupported`
 checks what it relies on, on the model itself, when a generator is built (its first use): the family; the
@@ -35,11 +35,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-#: The families the loop runs: ``model_type`` -> whether its attention normalises each query / key head
-#: (``q_norm``, ``k_norm``) before RoPE.
-FAMILIES: dict[str, bool] = {"qwen2": False, "llama": False, "qwen3": True, "qwen3_moe": True}
-SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
-QK_NORM_MODEL_TYPES = tuple(t for t, qk_norm in FAMILIES.items() if qk_norm)
+from nemo_disco import families
+
 _BODY_PARTS = ("embed_tokens", "layers", "norm", "rotary_emb")
 _LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 _ATTN_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -53,12 +50,18 @@ _PROBE_TOLERANCE_HALF = 5e-2
 Picker = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
+def decodable() -> dict[str, families.Family]:
+    """The families the loop runs (those of :data:`nemo_disco.families.FAMILIES` that declare ``kv_decode``)."""
+    return {t: f for t, f in families.FAMILIES.items() if f.kv_decode}
+
+
 def _layout(model: torch.nn.Module) -> str | None:
     """Why the model's family, config or modules are not what the loop reads, or None."""
     cfg = getattr(model, "config", None)
     model_type = getattr(cfg, "model_type", None)
-    if model_type not in FAMILIES:
-        return f"model_type {model_type!r} is not one of {', '.join(FAMILIES)}"
+    runs = decodable()
+    if model_type not in runs:
+        return f"model_type {model_type!r} is not one of {', '.join(runs)}"
     if getattr(cfg, "use_sliding_window", False):
         return "sliding-window attention (use_sliding_window)"
     other = sorted({t for t in getattr(cfg, "layer_types", None) or () if t != "full_attention"})
@@ -69,7 +72,7 @@ def _layout(model: torch.nn.Module) -> str | None:
     missing += [] if hasattr(model, "lm_head") else ["lm_head"]
     if missing:
         return f"{type(model).__name__} has no {', '.join(missing)}"
-    attn_values = _ATTN_VALUES + (("q_norm", "k_norm") if FAMILIES[model_type] else ())
+    attn_values = _ATTN_VALUES + (("q_norm", "k_norm") if runs[model_type].qk_norm else ())
     for i, layer in enumerate(body.layers):
         where = f"{type(model).__name__}.model.layers.{i}"
         missing = [n for n in _LAYER_PARTS if not hasattr(layer, n)]
@@ -260,7 +263,8 @@ def sample(
     positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     first = layers[0].self_attn
     head_dim = first.head_dim
-    qk_norm = model.config.model_type in QK_NORM_MODEL_TYPES
+    family = families.FAMILIES.get(model.config.model_type)
+    qk_norm = family is not None and family.qk_norm
     kv_heads = first.k_proj.out_features // head_dim
     cache_shape = (len(layers), batch, kv_heads, prompt_len + max_tokens, head_dim)
     dtype = body.embed_tokens.weight.dtype

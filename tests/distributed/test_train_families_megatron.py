@@ -1,10 +1,10 @@
 """Three DisCO steps per model family with the Megatron policy and the transformers generator (CPU, gloo).
 
-Llama and Qwen3 run in one process; Qwen3-MoE under torchrun with 2 processes at expert parallelism 2 (each rank
-two of the four experts, data-parallel over the rollouts). Qwen2 at TP 2 is tests/distributed/test_train_torchrun.py.
-Checked: metrics finite, parameters changed, and for the MoE model the (frozen, by default) router unchanged and its
-load-balancing loss reported. Then: a model the Megatron policy does not build stops the run at start-up with one
-line naming the config key (exit code 2).
+Every registered family (``nemo_disco.families``): a dense one runs in one process; one with routed experts (Qwen3-MoE)
+under torchrun with 2 processes at expert parallelism 2 (each rank two of the four experts, data-parallel over the
+rollouts). Qwen2 at TP 2 is tests/distributed/test_train_torchrun.py. Checked: metrics finite, parameters changed,
+and for an MoE model the (frozen, by default) router unchanged and its load-balancing loss reported. Then: a model
+the Megatron policy does not build stops the run at start-up with one line naming the config key (exit code 2).
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import torch
 from procs import FAST_TINY, THREADS, free_port, run_group
 from safetensors.torch import load_file
 
+from nemo_disco import families
+
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "tiny-cpu.yaml"
 TORCHRUN = Path(sys.executable).with_name("torchrun")
@@ -29,17 +31,17 @@ MEGATRON = ["policy.backend=megatron", "policy.dtype=float32", "algorithm.steps=
 # A longer warm-up and 8 rollouts per question than FAST_TINY's, so that some questions have both correct and
 # wrong rollouts (after 40 warm-up steps a tiny model answers nothing: no gradient, only weight decay moves).
 SIGNAL = ["algorithm.warmup_sft_steps=300", "algorithm.rollouts_per_prompt=8"]
-FAMILIES = {
-    "llama": ["policy.tiny.architecture=llama", "policy.tiny.tie_word_embeddings=false"],
+#: Families trained in another test: Qwen2 at TP 2 in tests/distributed/test_train_torchrun.py.
+ELSEWHERE = {"qwen2"}
+#: A family's tiny model shaped like a real model of it (a family without an entry trains the tiny defaults).
+LAYOUTS = {
+    "llama": ["policy.tiny.tie_word_embeddings=false"],
     # head_dim 32 != hidden 64 / 4 heads, as Qwen3-4B's 128 != 2560 / 32.
-    "qwen3": ["policy.tiny.architecture=qwen3", "policy.tiny.head_dim=32"],
-    "qwen3_moe": [
-        "policy.tiny.architecture=qwen3_moe",
-        "policy.tiny.tie_word_embeddings=false",
-        "policy.expert_parallel_size=2",
-        "cluster.gpus_per_node=2",
-    ],
+    "qwen3": ["policy.tiny.head_dim=32"],
+    "qwen3_moe": ["policy.tiny.tie_word_embeddings=false"],
 }
+#: Routed experts: two processes at expert parallelism 2.
+EXPERT_PARALLEL = ["policy.expert_parallel_size=2", "cluster.gpus_per_node=2"]
 
 
 def _train(run_dir: Path, overrides: list[str], nproc: int) -> subprocess.CompletedProcess:
@@ -58,12 +60,18 @@ def _weights(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def test_every_layout_is_of_a_registered_family():
+    assert set(LAYOUTS) | ELSEWHERE <= set(families.FAMILIES)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", sorted(set(families.FAMILIES) - ELSEWHERE))
 def test_three_disco_steps_with_the_megatron_policy(family, tmp_path):
     run = tmp_path / family
-    nproc = 2 if family == "qwen3_moe" else 1
-    res = _train(run, [*FAMILIES[family], *SIGNAL], nproc)
+    moe = families.FAMILIES[family].moe
+    nproc = 2 if moe else 1
+    overrides = [f"policy.tiny.architecture={family}", *LAYOUTS.get(family, []), *(EXPERT_PARALLEL if moe else [])]
+    res = _train(run, [*overrides, *SIGNAL], nproc)
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
@@ -81,7 +89,7 @@ def test_three_disco_steps_with_the_megatron_policy(family, tmp_path):
     assert set(final) == set(init) - ({"lm_head.weight"} if "lm_head.weight" not in final else set())
     changed = {k for k in final if not torch.equal(init[k], final[k])}
     routers = {k for k in final if k.endswith(".mlp.gate.weight")}
-    if family == "qwen3_moe":
+    if moe:
         assert len(routers) == 2 and not routers & changed  # frozen: bit for bit the initial router
         assert changed == set(final) - routers  # everything else moved (every expert of both EP ranks included)
         for r in records:

@@ -9,7 +9,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "nemo_disco"
 
 #: docs/architecture.md's table: a module (or a package's modules) and its layer.
 LAYERS = {
-    **dict.fromkeys(["losses", "batch", "stats", "files", "metrics", "ranks", "distributed", "rewards"], 0),
+    **dict.fromkeys(["losses", "batch", "stats", "files", "metrics", "ranks", "distributed", "rewards", "families"], 0),
     **dict.fromkeys(["config", "parts", "generators", "weights", "watchdog"], 1),
     **dict.fromkeys(["data", "models", "policy", "generation", "checkpoint", "update"], 2),
     "rollouts": 3,
@@ -113,6 +113,11 @@ def test_losses_import_nothing_of_the_package():
     assert {m: {d for d in graph[m] if not d.startswith("nemo_disco.losses.")} for m in modules} == dict.fromkeys(
         modules, set()
     )
+
+
+def test_the_model_families_import_nothing_of_the_package():
+    # config.py and plan.py, torch-free, read the registry: it stays free of torch and of the rest of the package.
+    assert _graph()["nemo_disco.families"] == set()
 
 
 def test_the_config_schema_imports_no_loss():

