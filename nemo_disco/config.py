@@ -224,10 +224,19 @@ class DataConfig(_Section):
     val_max_problems: int | None = Field(None, ge=1)
 
 
-class RewardConfig(_Section):
-    """Math grading of rollouts."""
+class RewardConfig(_PartSection):
+    """Grading of rollouts: the keys every grader shares, and the chosen grader's own.
 
-    grader: Literal["math_verify", "deepscaler"] = "math_verify"
+    ``grader`` picks a registered grader (:data:`nemo_disco.rewards.GRADERS`: ``math_verify``, ``deepscaler``). The
+    section's other keys are that grader's own parameters (deepscaler's ``require_think``): their types, ranges and
+    defaults are the grader's parameter model, declared once beside it, and :mod:`nemo_disco.parts` checks them
+    against it (a key of another grader fails in one line naming the grader that has it). A recipe or override that
+    names another grader than the one it inherits starts this section afresh; only the fields below carry over.
+    """
+
+    PART_KEY: ClassVar[str] = "grader"
+
+    grader: str = Field("math_verify", pattern=r"^[A-Za-z_]\w*$")
     timeout_s: float = Field(5.0, gt=0)
     workers: int = Field(2, ge=1)
     # Rollouts with reward above this are positives (so {0,1} and {-1,+1} rewards both work).
@@ -552,7 +561,9 @@ class EvalDataConfig(_Section):
 class GradingConfig(_Section):
     """How responses are graded: training's ``reward`` keys of the same names and defaults."""
 
-    grader: Literal["math_verify", "deepscaler"] = _same_as(RewardConfig, "grader")
+    # A registered grader (nemo_disco.rewards.GRADERS), checked when the evaluation starts; it grades with its
+    # parameters' defaults.
+    grader: str = _same_as(RewardConfig, "grader")
     timeout_s: float = _same_as(RewardConfig, "timeout_s")
     # Grading processes per engine.
     workers: int = _same_as(RewardConfig, "workers")

@@ -1,11 +1,13 @@
 """The run config composed with its parts: each chosen part's own parameters, checked by the part's own model.
 
-:mod:`nemo_disco.config` holds the sections and loads recipes; it imports no part, so the keys of the ``loss`` and
-``generation`` sections other than those every loss / backend shares are open there. Each part declares its
-parameter model once: a loss beside its code (:func:`nemo_disco.losses.register_loss`, or the ``Params`` of a
-``package.module:Class`` loss of the user's own), a generator backend in :mod:`nemo_disco.generators`. Here they meet,
-once, at start-up: :func:`compose` checks each section against the chosen part's model and fills in its defaults,
-:func:`load` is :func:`nemo_disco.config.load` composed, and :func:`loss_of` binds the loss.
+:mod:`nemo_disco.config` holds the sections and loads recipes; it imports no part, so the keys of the ``loss``,
+``generation`` and ``reward`` sections other than those every loss / backend / grader shares are open there. Each
+part declares its parameter model once: a loss beside its code (:func:`nemo_disco.losses.register_loss`, or the
+``Params`` of a ``package.module:Class`` loss of the user's own), a generator backend in :mod:`nemo_disco.generators`,
+a grader beside its code (:func:`nemo_disco.rewards.register_grader`). Here they meet, once, at start-up:
+:func:`compose` checks each section against the chosen part's model and fills in its defaults, :func:`load` is
+:func:`nemo_disco.config.load` composed, :func:`loss_of` binds the loss and :func:`grader_params` gives the grading
+workers their parameters.
 
 A parameter a model reads from another section (:func:`nemo_disco.losses.from_run`: ``reward.positive_threshold``,
 ``generation.max_response_tokens``) comes from there and is refused in the ``loss`` section.
@@ -15,13 +17,23 @@ from __future__ import annotations
 
 import difflib
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
 from nemo_disco import generators, losses
-from nemo_disco.config import ConfigError, GenerationConfig, LossConfig, RunConfig, key_place
+from nemo_disco.config import (
+    ConfigError,
+    GenerationConfig,
+    LossConfig,
+    RewardConfig,
+    RunConfig,
+    _PartSection,
+    key_place,
+)
 from nemo_disco.config import load as load_config
+from nemo_disco.rewards.registry import GRADERS, GraderParams, get_grader
 
 
 class PartKeyError(ConfigError):
@@ -83,6 +95,35 @@ def loss_of(cfg: RunConfig) -> losses.Loss:
     return loss.bind(**hp)
 
 
+def _part_params(section: str, values: _PartSection, models: Mapping[str, type[BaseModel]]) -> BaseModel:
+    """The extra keys of part section ``section`` (``values``) checked by the chosen part's model, with its defaults.
+
+    ``models``: every registered part's parameter model by name; the chosen one is ``values``'s ``PART_KEY``.
+
+    Raises:
+        PartKeyError: a key the chosen part does not take: naming the parts that have it, or the closest key.
+        ConfigError: a bad value (``generation.sleep_level=3: input should be 0, 1, 2 or 'auto'``).
+    """
+    chosen = getattr(values, values.PART_KEY)
+    own = models[chosen].model_fields
+    for key in values.model_extra or {}:
+        if key in own:
+            continue
+        owners = [name for name, model in models.items() if key in model.model_fields]
+        if owners:
+            have = "has" if len(owners) == 1 else "have"
+            message = f"{section}.{key} is not a parameter of {chosen} ({', '.join(owners)} {have} it)"
+        else:
+            hint = difflib.get_close_matches(key, [*type(values).model_fields, *own], n=1)
+            did = f" (did you mean {section}.{hint[0]}?)" if hint else ""
+            message = f"unknown config key '{section}.{key}'{did}; {chosen} takes: {', '.join(own) or 'nothing'}"
+        raise PartKeyError(f"{section}.{key}", message)
+    try:
+        return models[chosen](**(values.model_extra or {}))
+    except ValidationError as err:
+        raise ConfigError(losses.validation_message(err, prefix=f"{section}.")) from None
+
+
 def generation_of(cfg: RunConfig) -> generators.BackendParams:
     """The run's generator backend's own parameters, validated (defaults for those the config leaves out).
 
@@ -95,40 +136,42 @@ def generation_of(cfg: RunConfig) -> generators.BackendParams:
         backend = generators.get_backend(g.backend)
     except ValueError as err:
         raise ConfigError(f"generation.backend: {err}") from None
-    own = backend.params.model_fields
-    for key in g.model_extra or {}:
-        if key in own:
-            continue
-        owners = [n for n, b in generators.BACKENDS.items() if key in b.params.model_fields]
-        if owners:
-            have = "has" if len(owners) == 1 else "have"
-            message = f"generation.{key} is not a parameter of {g.backend} ({', '.join(owners)} {have} it)"
-        else:
-            names = [*GenerationConfig.model_fields, *own]
-            hint = difflib.get_close_matches(key, names, n=1)
-            did = f" (did you mean generation.{hint[0]}?)" if hint else ""
-            message = f"unknown config key 'generation.{key}'{did}; {g.backend} takes: {', '.join(own) or 'nothing'}"
-        raise PartKeyError(f"generation.{key}", message)
+    params = _part_params("generation", g, {name: b.params for name, b in generators.BACKENDS.items()})
     if g.tensor_parallel_size != 1 and not backend.tensor_parallel:
         tp = [n for n, b in generators.BACKENDS.items() if b.tensor_parallel]
         raise ConfigError(
             f"generation.tensor_parallel_size={g.tensor_parallel_size} needs generation.backend={' or '.join(tp)} "
             f"({g.backend} runs one engine per process)"
         )
+    return params  # type: ignore[return-value]
+
+
+def reward_of(cfg: RunConfig) -> GraderParams:
+    """The run's grader's own parameters, validated (defaults for those the config leaves out).
+
+    Raises:
+        ConfigError: one line: an unknown grader, a key it does not take (naming the graders that do) or a bad value.
+    """
     try:
-        return backend.params(**(g.model_extra or {}))
-    except ValidationError as err:  # generation.sleep_level=3: input should be 0, 1, 2 or 'auto'
-        raise ConfigError(losses.validation_message(err, prefix="generation.")) from None
+        get_grader(cfg.reward.grader)
+    except ValueError as err:
+        raise ConfigError(f"reward.grader: {err}") from None
+    return _part_params("reward", cfg.reward, {name: g.params for name, g in GRADERS.items()})  # type: ignore[return-value]
+
+
+def grader_params(cfg: RunConfig) -> dict[str, Any]:
+    """The run's grader's parameters as a :class:`~nemo_disco.rewards.GraderPool` takes them (every key)."""
+    return reward_of(cfg).model_dump(mode="json")
 
 
 def compose(cfg: RunConfig) -> RunConfig:
     """``cfg`` with its part sections checked against the chosen parts' models and completed with their defaults.
 
     ``loss``: the chosen loss's parameters (those read from other sections are left there); ``generation``: the
-    chosen backend's. Composing a composed config changes nothing.
+    chosen backend's; ``reward``: the chosen grader's. Composing a composed config changes nothing.
 
     Raises:
-        ConfigError: one line (see :func:`loss_of`, :func:`generation_of`).
+        ConfigError: one line (see :func:`loss_of`, :func:`generation_of`, :func:`reward_of`).
     """
     loss = loss_of(cfg)
     from_run = losses.run_keys(loss.hparams)
@@ -136,10 +179,13 @@ def compose(cfg: RunConfig) -> RunConfig:
     shared = {k: getattr(cfg.loss, k) for k in LossConfig.model_fields}
     backend = generation_of(cfg)
     generation = {k: getattr(cfg.generation, k) for k in GenerationConfig.model_fields}
+    grader = reward_of(cfg)
+    reward = {k: getattr(cfg.reward, k) for k in RewardConfig.model_fields}
     return cfg.model_copy(
         update={
             "loss": LossConfig(**shared, **own),
             "generation": GenerationConfig(**generation, **backend.model_dump()),
+            "reward": RewardConfig(**reward, **grader.model_dump()),
         }
     )
 

@@ -314,7 +314,7 @@ def warmup_key(  # noqa: PLR0913
     import torch
     import transformers
 
-    from nemo_disco import generators
+    from nemo_disco import generators, parts
 
     a, g = cfg.algorithm, cfg.generation
     h = hashlib.sha256()
@@ -326,7 +326,7 @@ def warmup_key(  # noqa: PLR0913
         "warmup": {k: v for k, v in a.model_dump(mode="json").items() if k.startswith("warmup_")},
         "seed": a.seed,
         "generation": [g.max_response_tokens, *generators.params_of(cfg, "hf").model_dump().values()],
-        "reward": [cfg.reward.grader, cfg.reward.timeout_s],
+        "reward": [cfg.reward.grader, cfg.reward.timeout_s, *sorted(parts.grader_params(cfg).items())],
         "versions": [sys.version, torch.__version__, transformers.__version__],
         "threads": torch.get_num_threads(),
         "cpu": [platform.machine(), platform.processor(), _cpu_model()],
@@ -461,7 +461,7 @@ class _GreedyAccuracy:
     """Greedy accuracy of a model on fixed problems: the transformers generator (batched) + the run's grader."""
 
     def __init__(self, model_dir: str | Path, tok, problems: list, cfg) -> None:  # noqa: ANN001
-        from nemo_disco import generators
+        from nemo_disco import generators, parts
         from nemo_disco.data import encode_run_prompts
         from nemo_disco.generation.base import SamplingParams
         from nemo_disco.generation.hf import HFGenerator
@@ -478,7 +478,9 @@ class _GreedyAccuracy:
         )
         own = generators.params_of(cfg, "hf")
         self.generator = HFGenerator(model_dir, batch_size=own.hf_batch_size, decode=own.hf_decode)
-        self.grader = GraderPool(cfg.reward.grader, timeout_s=cfg.reward.timeout_s, workers=cfg.reward.workers)
+        r = cfg.reward
+        params = parts.grader_params(cfg)
+        self.grader = GraderPool(r.grader, timeout_s=r.timeout_s, workers=r.workers, params=params)
 
     def __call__(self, model) -> float:  # noqa: ANN001
         import torch

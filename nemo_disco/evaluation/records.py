@@ -141,7 +141,7 @@ def grade_responses_file(
     Args:
         path: the JSONL file (its records: :mod:`nemo_disco.evaluation`).
         benchmarks: benchmarks to tabulate (None: every benchmark in the file).
-        grader: "math_verify" or "deepscaler".
+        grader: a registered grader (:data:`nemo_disco.rewards.GRADERS`; its parameters' defaults).
         out_dir: if given, write the graded records and tables there (:func:`write_results`).
         regrade: grade every record, replacing stored scores.
         timeout_s: per-item grading limit.

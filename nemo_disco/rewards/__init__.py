@@ -1,6 +1,10 @@
-r"""Math grading of model responses: two graders, a worker-process pool with a hard per-item timeout.
+r"""Math grading of model responses: registered graders, a worker-process pool with a hard per-item timeout.
 
-Graders (``GRADERS``), both returning 1.0 (correct) or 0.0:
+Graders declare themselves once, beside their code (:func:`~nemo_disco.rewards.registry.register_grader`: a name,
+``fn(response, ground_truth, **params) -> float``, a parameter model, a line of description); :data:`GRADERS` holds
+them by name and :func:`get_grader` finds one. The run config's ``reward.grader`` names one, and the ``reward``
+section's other keys are its parameters (checked by its model in :mod:`nemo_disco.parts`). The built-in two, both
+returning 1.0 (correct) or 0.0:
 
 - ``math_verify``: Hugging Face math-verify 0.9.0. The gold answer is wrapped in ``\boxed{...}`` before
   parsing (a bare gold string such as ``\left( 1, 2 \right)`` parses to a fragment otherwise); plain
@@ -19,8 +23,8 @@ Graders (``GRADERS``), both returning 1.0 (correct) or 0.0:
   grammar that builds sympy objects) and never evaluates text as Python (no ``eval``, ``exec``,
   ``sympify`` of a string, ``parse_expr``); inputs that could blow up (power towers, huge literals) are
   refused before parsing.
-  ``require_think=False`` (default) grades the whole response when it has no ``</think>``; the official
-  grader scores such a response 0 (a "format error"), which ``require_think=True`` reproduces.
+  Its parameter ``require_think`` (``reward.require_think``): false (the default) grades the whole response when it
+  has no ``</think>``; the official grader scores such a response 0 (a "format error"), which true reproduces.
 
 Model output is untrusted: a response such as ``\boxed{9^{9^{9^{9}}}}`` keeps sympy busy for minutes, and
 code in C extensions (gmpy2 arithmetic, for one) need not return to the interpreter to notice a signal.
@@ -50,17 +54,22 @@ from nemo_disco.rewards.answers import THINK_END, gold_latex, last_boxed
 from nemo_disco.rewards.deepscaler import hendrycks_normalize
 from nemo_disco.rewards.mathverify import parsed_gold
 from nemo_disco.rewards.pool import GraderPool, score_batch
-from nemo_disco.rewards.scoring import GRADERS, load_reward_function, score_response
+from nemo_disco.rewards.registry import GRADERS, Grader, GraderParams, get_grader, register_grader
+from nemo_disco.rewards.scoring import load_reward_function, score_response
 
 __all__ = [
     "GRADERS",
     "THINK_END",
+    "Grader",
+    "GraderParams",
     "GraderPool",
+    "get_grader",
     "gold_latex",
     "hendrycks_normalize",
     "last_boxed",
     "load_reward_function",
     "parsed_gold",
+    "register_grader",
     "score_batch",
     "score_response",
 ]

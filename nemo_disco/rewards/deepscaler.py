@@ -6,6 +6,7 @@ import re
 from typing import Any
 
 from nemo_disco.rewards.answers import after_think, gold_latex, last_boxed
+from nemo_disco.rewards.registry import Grader, GraderParams, register_grader
 
 # ----------------------------------------------------------------------------------------------------------------------
 # deepscaler grader: (a) Hendrycks-MATH string normalisation
@@ -253,3 +254,25 @@ def deepscaler_correct(response: str, truths: list[str], require_think: bool) ->
         if gold and _deepscaler_match(given, gold):
             return True
     return False
+
+
+class DeepScaleRParams(GraderParams):
+    """The ``deepscaler`` grader's own keys of the ``reward`` section."""
+
+    # The official grader's format rule: a response without </think> scores 0; false grades the whole response then.
+    require_think: bool = False
+
+
+def grade_deepscaler(response: str, ground_truth: list[str], require_think: bool = False) -> float:
+    """1.0 if the last boxed answer matches any gold answer under DeepScaleR's rules, else 0.0."""
+    return 1.0 if deepscaler_correct(response, ground_truth, require_think) else 0.0
+
+
+register_grader(
+    Grader(
+        "deepscaler",
+        grade_deepscaler,
+        DeepScaleRParams,
+        "the DeepScaleR grader the DisCO authors trained with: last \\boxed{}, Hendrycks-MATH rules, sympy",
+    )
+)

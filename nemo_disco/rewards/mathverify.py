@@ -7,6 +7,7 @@ import logging
 from typing import Any
 
 from nemo_disco.rewards.answers import after_think, gold_latex
+from nemo_disco.rewards.registry import Grader, GraderParams, register_grader
 
 # ----------------------------------------------------------------------------------------------------------------------
 # math_verify grader
@@ -46,3 +47,22 @@ def math_verify_correct(response: str, truths: list[str]) -> bool:
     if not pred:
         return False
     return any(mv.verify(parsed_gold(g), pred, timeout_seconds=None) for g in truths)
+
+
+class MathVerifyParams(GraderParams):
+    """math_verify takes no parameters."""
+
+
+def grade_math_verify(response: str, ground_truth: list[str]) -> float:
+    """1.0 if math-verify finds the response equal to any gold answer, else 0.0 (the ``math_verify`` grader)."""
+    return 1.0 if math_verify_correct(response, ground_truth) else 0.0
+
+
+register_grader(
+    Grader(
+        "math_verify",
+        grade_math_verify,
+        MathVerifyParams,
+        "Hugging Face math-verify: LaTeX and expression extraction, symbolic equivalence",
+    )
+)

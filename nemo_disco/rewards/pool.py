@@ -13,12 +13,13 @@ import tempfile
 import time
 import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from nemo_disco import hooks
-from nemo_disco.rewards.scoring import call_reward, check_grader, grade, load_reward_function
+from nemo_disco.rewards.registry import get_grader
+from nemo_disco.rewards.scoring import call_reward, grade, load_reward_function
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ def worker_main() -> None:
     user = load_reward_function(cfg["function"]) if cfg.get("function") else None
     if user is None:
         # Imports and the parsers' first-call set-up are paid before "ready", not out of the first item's budget.
-        grade("so \\boxed{\\frac{1}{2}}", "0.5", cfg["grader"], False)
+        grade("</think> so \\boxed{\\frac{1}{2}}", "0.5", cfg["grader"], cfg["params"])
     signal.signal(signal.SIGALRM, _on_alarm)
     out.write('{"ready": true}\n')
     for line in sys.stdin:
@@ -69,7 +70,7 @@ def worker_main() -> None:
             signal.setitimer(signal.ITIMER_REAL, cfg["soft_timeout_s"])  # 0 = no soft limit
             try:
                 if user is None:
-                    result["score"] = grade(req["response"], req["truth"], cfg["grader"], cfg["require_think"])
+                    result["score"] = grade(req["response"], req["truth"], cfg["grader"], cfg["params"])
                 else:
                     args = (req["response"], req["truth"], req.get("problem", ""), req.get("fields") or {})
                     result["score"] = call_reward(user, *args)
@@ -191,7 +192,7 @@ class GraderPool:
         *,
         timeout_s: float,
         workers: int,
-        require_think: bool = False,
+        params: Mapping[str, Any] | None = None,
         kill_grace_s: float = 0.5,
         memory_limit_mb: int | None = 4096,
         startup_timeout_s: float = 120.0,
@@ -201,10 +202,11 @@ class GraderPool:
         """Start the workers.
 
         Args:
-            grader: "math_verify" or "deepscaler" (unused with ``function``).
+            grader: a registered grader (:data:`~nemo_disco.rewards.registry.GRADERS`; unused with ``function``).
             timeout_s: time budget of one item; the worker stops itself at ``timeout_s``.
             workers: number of worker processes.
-            require_think: deepscaler only: a response without ``</think>`` scores 0 (the official rule).
+            params: the grader's parameters (its model's defaults for those left out; deepscaler's
+                ``{"require_think": True}``: a response without ``</think>`` scores 0, the official rule).
             kill_grace_s: the parent kills a worker whose item runs past ``timeout_s + kill_grace_s``.
             memory_limit_mb: address-space limit of each worker (None: unlimited).
             startup_timeout_s: a worker that is not ready after this long is a fatal error.
@@ -213,9 +215,10 @@ class GraderPool:
             function: ``reward.function`` ("package.module:function"): the workers call it instead of a grader.
 
         Raises:
-            ValueError: unknown grader, non-positive sizes, or a ``function`` that does not load (one line).
+            ValueError: unknown grader or parameter, non-positive sizes, or a ``function`` that does not load (one
+                line).
         """
-        check_grader(grader)
+        bound = get_grader(grader).bind(params).model_dump(mode="json")
         if function is not None:
             load_reward_function(function)  # fail here, in one line, not in every worker's start-up
         if timeout_s <= 0 or workers < 1 or kill_grace_s < 0:
@@ -224,6 +227,8 @@ class GraderPool:
                 f"{workers}, {kill_grace_s})"
             )
         self.grader, self.timeout_s, self.kill_grace_s = grader, float(timeout_s), float(kill_grace_s)
+        #: The grader's parameters as the workers get them (every key, defaults filled in).
+        self.params = bound
         self.startup_timeout_s = startup_timeout_s
         env = dict(os.environ)
         package_root = str(Path(__file__).resolve().parents[2])  # the folder that holds nemo_disco/
@@ -232,7 +237,7 @@ class GraderPool:
             {
                 "grader": grader,
                 "soft_timeout_s": self.timeout_s if soft_timeout else 0.0,
-                "require_think": require_think,
+                "params": bound,
                 "memory_limit_mb": memory_limit_mb,
                 "function": function,
             }
@@ -431,12 +436,12 @@ def score_batch(
     grader: str = "math_verify",
     timeout_s: float,
     workers: int,
-    require_think: bool = False,
+    params: Mapping[str, Any] | None = None,
 ) -> tuple[list[float], dict[str, float]]:
     """Grade a batch in a temporary :class:`GraderPool` (hard per-item timeout); order is preserved.
 
     Returns:
         scores and metrics (``reward/timeouts``, ``reward/errors``, ``reward/restarts``).
     """
-    with GraderPool(grader, timeout_s=timeout_s, workers=workers, require_think=require_think) as pool:
+    with GraderPool(grader, timeout_s=timeout_s, workers=workers, params=params) as pool:
         return pool.score(responses, ground_truths)

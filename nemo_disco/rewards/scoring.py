@@ -8,41 +8,32 @@ import math
 import os
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from nemo_disco.rewards.answers import gold_answers
-from nemo_disco.rewards.deepscaler import deepscaler_correct
-from nemo_disco.rewards.mathverify import math_verify_correct
+from nemo_disco.rewards.registry import get_grader
 
 logger = logging.getLogger(__name__)
-
-GRADERS = ("math_verify", "deepscaler")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Public scoring
 
 
-def check_grader(grader: str) -> None:
-    """Raise ValueError unless ``grader`` is one of :data:`GRADERS`."""
-    if grader not in GRADERS:
-        raise ValueError(f"unknown grader {grader!r}; valid graders: {', '.join(GRADERS)}")
+def grade(response: str, ground_truth: Any, grader: str, params: Mapping[str, Any] | None = None) -> float:
+    """Score one response with the registered grader ``grader`` and its ``params``; exceptions propagate.
 
-
-def grade(response: str, ground_truth: Any, grader: str, require_think: bool) -> float:
-    """Score one response; exceptions propagate (the worker counts them as errors)."""
+    (The worker counts them as errors.) ``params`` are passed as given: :meth:`Grader.bind` validates them.
+    """
+    fn = get_grader(grader).fn
     truths = gold_answers(ground_truth)
     if not isinstance(response, str) or not truths:
         return 0.0
-    if grader == "math_verify":
-        return 1.0 if math_verify_correct(response, truths) else 0.0
-    return 1.0 if deepscaler_correct(response, truths, require_think) else 0.0
+    return float(fn(response, truths, **(params or {})))
 
 
-def score_response(
-    response: str, ground_truth: str | list[str], grader: str = "math_verify", *, require_think: bool = False
-) -> float:
+def score_response(response: str, ground_truth: str | list[str], grader: str = "math_verify", **params: Any) -> float:
     """Score one response in this process: 1.0 if it matches any gold answer, else 0.0. Never raises on input.
 
     No time limit applies here: grade untrusted model output with :class:`GraderPool` / :func:`score_batch`.
@@ -50,15 +41,16 @@ def score_response(
     Args:
         response: the decoded model response (reasoning and answer).
         ground_truth: one gold answer or several (any of them counts).
-        grader: "math_verify" or "deepscaler".
-        require_think: deepscaler only: score 0 when the response has no ``</think>`` (the official rule).
+        grader: a registered grader (:data:`~nemo_disco.rewards.registry.GRADERS`).
+        **params: the grader's parameters (deepscaler's ``require_think=True``: a response without ``</think>``
+            scores 0, the official rule).
 
     Raises:
-        ValueError: unknown grader name (a programming error, not an input).
+        ValueError: an unknown grader or a parameter it does not take (a programming error, not an input).
     """
-    check_grader(grader)
+    bound = get_grader(grader).bind(params).model_dump()
     try:
-        return grade(response, ground_truth, grader, require_think)
+        return grade(response, ground_truth, grader, bound)
     except Exception:  # Model output can trip any parser error; a wrong answer scores 0.
         logger.debug("grading raised", exc_info=True)
         return 0.0

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from nemo_disco import distributed, hooks
+from nemo_disco import distributed, hooks, parts
 from nemo_disco.batch import QuestionRollouts
 from nemo_disco.config import ConfigError, RunConfig
 from nemo_disco.data import PromptSampler
@@ -26,9 +26,10 @@ class RewardError(ConfigError):
 
 
 def build_grader(cfg: RunConfig) -> GraderPool:
-    """The run's reward: ``reward.grader`` or ``reward.function``, in a pool of killable workers."""
+    """The run's reward: ``reward.grader`` and its parameters, or ``reward.function``, in killable workers."""
     r = cfg.reward
-    return GraderPool(r.grader, timeout_s=r.timeout_s, workers=r.workers, function=r.function)
+    params = parts.grader_params(cfg)
+    return GraderPool(r.grader, timeout_s=r.timeout_s, workers=r.workers, params=params, function=r.function)
 
 
 def sampling_params(cfg: RunConfig, tokenizer: Any, seed: int, max_tokens: int | None = None) -> SamplingParams:
