@@ -367,7 +367,7 @@ def prepare(
         answer_key: column of the answer (default: recognised).
         dedup: skip repeats of an earlier problem (normalised text).
         check_answers: skip rows whose answer the grader cannot verify against itself.
-        grader: grader of that check ("math_verify" or "deepscaler": use the one training will use).
+        grader: grader of that check, a registered one (use the one training will use; its parameters' defaults).
         workers: grading processes.
         timeout_s: grading limit per answer.
         benchmarks: benchmarks checked for overlap (names or files).
