@@ -55,6 +55,7 @@ _CHUNK = 8 << 20
 # Keys that must match the checkpoint's to resume (a prefix covers its whole section), by what they define.
 GUARDED_KEYS: dict[str, tuple[str, ...]] = {
     "model": ("policy.backend", "policy.model_path", "policy.tiny", "policy.dtype"),
+    # (and the reward section's keys other than its fields: the chosen grader's own parameters, :func:`_guarded`)
     "loss": ("loss.", "reward.grader", "reward.positive_threshold"),
     "data": (
         "data.train",
@@ -376,6 +377,9 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _guarded(key: str) -> bool:
+    section, _, leaf = key.partition(".")
+    if section == "reward" and leaf not in config_lib.RewardConfig.model_fields:
+        return True  # the chosen grader's own parameters define the reward, as reward.grader does
     return any(
         key == g or (g.endswith(".") and key.startswith(g)) or key.startswith(g + ".")
         for keys in GUARDED_KEYS.values()

@@ -215,6 +215,21 @@ def test_resume_guard_diffs_model_loss_data_and_layout_keys(tmp_path):
     assert checkpoint.check_resume_config(fresh, tmp_path) == []
 
 
+def test_the_resume_guard_covers_the_graders_own_parameters(tmp_path):
+    strict = ["reward.grader=deepscaler", "reward.require_think=true"]
+    cfg = parts.load(ROOT / "recipes" / "disco.yaml", strict)
+    checkpoint.save(tmp_path, 1, _FilePolicy(1), {}, cfg, keep_last=3)
+    assert (
+        checkpoint.check_resume_config(
+            parts.load(ROOT / "recipes" / "disco.yaml", [*strict, "reward.workers=4"]), tmp_path
+        )
+        == []
+    )  # how it grades, not what: free to change
+    lenient = parts.load(ROOT / "recipes" / "disco.yaml", [*strict[:1], "reward.require_think=false"])
+    with pytest.raises(config.ConfigError, match=r"reward\.require_think: True -> False \(model, loss"):
+        checkpoint.check_resume_config(lenient, tmp_path)
+
+
 def test_rng_state_round_trip():
     state = checkpoint.rng_state()
     a = torch.rand(3)
