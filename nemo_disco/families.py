@@ -57,12 +57,14 @@ _HIDDEN = ("hidden",)
 EMBED = Entry(
     ("model.embed_tokens.weight",), ("embedding.word_embeddings.weight",), VOCAB, (("vocab", "hidden"),), "first"
 )
-_INPUT_NORM = Entry(
-    (_H + "input_layernorm.weight",),
-    (_M + "input_layernorm.weight", _M + "self_attention.linear_qkv.layer_norm_weight"),
-    REPLICATED,
-    (_HIDDEN,),
-)
+
+
+def _norm(hf: str, local: str, fused_into: str) -> Entry:
+    """A layer's RMSNorm weight: mcore's local spec names it on its own, TE's fuses it into the next linear layer."""
+    return Entry((_H + hf,), (_M + local, _M + fused_into + ".layer_norm_weight"), REPLICATED, (_HIDDEN,))
+
+
+_INPUT_NORM = _norm("input_layernorm.weight", "input_layernorm.weight", "self_attention.linear_qkv")
 _QKV = Entry(
     (_H + "self_attn.q_proj.weight", _H + "self_attn.k_proj.weight", _H + "self_attn.v_proj.weight"),
     (_M + "self_attention.linear_qkv.weight",),
@@ -82,12 +84,7 @@ _K_NORM = Entry(
     (_H + "self_attn.k_norm.weight",), (_M + "self_attention.k_layernorm.weight",), REPLICATED, (("head_dim",),)
 )
 _O = Entry((_H + "self_attn.o_proj.weight",), (_M + "self_attention.linear_proj.weight",), ROW, (("hidden", "q"),))
-_POST_NORM = Entry(
-    (_H + "post_attention_layernorm.weight",),
-    (_M + "pre_mlp_layernorm.weight", _M + "mlp.linear_fc1.layer_norm_weight"),
-    REPLICATED,
-    (_HIDDEN,),
-)
+_POST_NORM = _norm("post_attention_layernorm.weight", "pre_mlp_layernorm.weight", "mlp.linear_fc1")
 _GATE_UP = Entry(
     (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"),
     (_M + "mlp.linear_fc1.weight",),

@@ -26,6 +26,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from nemo_disco.config import COLOCATED_GPU_MEMORY_UTILIZATION, OWN_GPU_MEMORY_UTILIZATION, RunConfig
+from nemo_disco.registry import Registry
 
 
 class BackendParams(BaseModel):
@@ -100,15 +101,14 @@ def _resolve(spec: str) -> Any:
 
 
 #: The registered backends, in ``auto``'s order of preference.
-BACKENDS: dict[str, Backend] = {}
+BACKENDS: Registry[Backend] = Registry("generator backend")
 
 
 def register_backend(backend: Backend) -> Backend:
-    """Declare a backend (its name must be new)."""
-    if backend.name in BACKENDS or backend.name == "auto":
-        raise ValueError(f"generator backend {backend.name!r} is already registered (or reserved)")
-    BACKENDS[backend.name] = backend
-    return backend
+    """Declare a backend (its name must be a new identifier, other than ``auto``)."""
+    if backend.name == "auto":
+        raise ValueError("generator backend name 'auto' is reserved (eval --backend auto picks a usable one)")
+    return BACKENDS.register(backend.name, backend)
 
 
 def get_backend(name: str) -> Backend:
@@ -117,9 +117,7 @@ def get_backend(name: str) -> Backend:
     Raises:
         ValueError: an unknown name, in one line listing the registered ones.
     """
-    if name not in BACKENDS:
-        raise ValueError(f"unknown generator backend {name!r}; registered: {', '.join(BACKENDS)}")
-    return BACKENDS[name]
+    return BACKENDS.find(name)
 
 
 def params_of(cfg: RunConfig, name: str) -> BackendParams:

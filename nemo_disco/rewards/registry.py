@@ -19,6 +19,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from nemo_disco.registry import Registry
+
 
 class GraderParams(BaseModel):
     """The base of a grader's parameter model: frozen, unknown keys refused."""
@@ -52,7 +54,7 @@ class Grader:
 
 
 #: The registered graders by name, in the order of declaration.
-GRADERS: dict[str, Grader] = {}
+GRADERS: Registry[Grader] = Registry("grader")
 
 
 def register_grader(grader: Grader) -> Grader:
@@ -61,12 +63,7 @@ def register_grader(grader: Grader) -> Grader:
     Raises:
         ValueError: the name is taken or is not an identifier.
     """
-    if not grader.name.isidentifier():
-        raise ValueError(f"grader name {grader.name!r} must be an identifier")
-    if grader.name in GRADERS:
-        raise ValueError(f"grader {grader.name!r} is already registered")
-    GRADERS[grader.name] = grader
-    return grader
+    return GRADERS.register(grader.name, grader)
 
 
 def get_grader(name: str) -> Grader:
@@ -75,6 +72,4 @@ def get_grader(name: str) -> Grader:
     Raises:
         ValueError: an unknown name, in one line listing the registered ones.
     """
-    if name not in GRADERS:
-        raise ValueError(f"unknown grader {name!r}; registered: {', '.join(GRADERS)}")
-    return GRADERS[name]
+    return GRADERS.find(name)

@@ -9,7 +9,9 @@ PACKAGE = Path(__file__).resolve().parents[2] / "nemo_disco"
 
 #: docs/architecture.md's table: a module (or a package's modules) and its layer.
 LAYERS = {
-    **dict.fromkeys(["losses", "batch", "stats", "files", "metrics", "ranks", "distributed", "rewards", "families"], 0),
+    **dict.fromkeys(
+        ["losses", "batch", "stats", "files", "metrics", "ranks", "distributed", "rewards", "families", "registry"], 0
+    ),
     **dict.fromkeys(["config", "parts", "generators", "weights", "watchdog"], 1),
     **dict.fromkeys(["data", "models", "policy", "generation", "checkpoint", "update"], 2),
     "rollouts": 3,
