@@ -91,7 +91,8 @@ def check_model(model: str | os.PathLike, hub: bool = True) -> str:
 def check_model_folder(folder: str | os.PathLike) -> None:
     """Check that the files of a model folder are whole, reading no tensor: one line naming a damaged one.
 
-    Every ``*.json`` (config, tokenizer, generation config, shard index) must parse; every ``*.safetensors`` must
+    Every ``*.json`` (config, tokenizer, generation config, shard index) must parse, and ``tokenizer.json`` must be
+    one the tokenizers library reads; every ``*.safetensors`` must
     have a readable header and exactly the length its header describes (a copy or download cut short is caught
     here, not as a traceback from the loader); every shard a ``*.safetensors.index.json`` names must be there.
 
@@ -118,10 +119,27 @@ def check_model_folder(folder: str | os.PathLike) -> None:
             for shard in sorted(set(map(str, shards))):
                 if not (folder / shard).is_file():
                     raise ValueError(f"model folder {folder}: {path.name} names {shard}, which is not in the folder")
+    tokenizer = folder / "tokenizer.json"
+    if tokenizer.is_file():
+        problem = _tokenizer_problem(tokenizer)
+        if problem:
+            raise ValueError(f"model folder {folder}: tokenizer.json is valid JSON but not a tokenizer: {problem}")
     for path in sorted(folder.glob("*.safetensors")):
         problem = _safetensors_problem(path)
         if problem:
             raise ValueError(f"{path} is truncated or damaged: {problem}")
+
+
+def _tokenizer_problem(path: Path) -> str | None:
+    """Why the tokenizers library cannot read the ``tokenizer.json`` at ``path`` (its first line), or None."""
+    from tokenizers import Tokenizer
+
+    try:
+        Tokenizer.from_file(str(path))
+    except Exception as err:  # noqa: BLE001 - the library's own error (a serde message) is the reason
+        text = str(err).strip()
+        return text.splitlines()[0] if text else type(err).__name__
+    return None
 
 
 def _safetensors_problem(path: Path) -> str | None:
