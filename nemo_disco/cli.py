@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from nemo_disco import config as config_lib
 from nemo_disco import generators
-from nemo_disco.rewards.registry import GRADERS, get_grader
+from nemo_disco.rewards.registry import GRADERS
 
 if TYPE_CHECKING:
     from nemo_disco.data import RunProblems
@@ -478,10 +478,9 @@ def _check_grader(cfg: config_lib.EvalConfig) -> config_lib.EvalConfig:
     Raises:
         ConfigError: ``reward.grader: unknown grader 'x'; registered: ...``.
     """
-    try:
-        get_grader(cfg.reward.grader)
-    except ValueError as err:
-        raise config_lib.ConfigError(f"reward.grader: {err}") from None
+    from nemo_disco import parts
+
+    parts.find_part(GRADERS, "reward.grader", cfg.reward.grader)
     return cfg
 
 

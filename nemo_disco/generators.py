@@ -10,8 +10,9 @@ whether it shares the trainer's GPU and takes turns with it (sleep / wake around
 The ``generation`` section's fields are the keys every backend shares (sampling, lengths, ranks per engine, the
 refit's bucket size); :mod:`nemo_disco.parts` checks the section's other keys against the chosen backend's model
 and fills in its defaults, so that ``generation.hf_decode`` in a vLLM run fails at start-up in one line naming the
-backend that has it. The class is built by :mod:`nemo_disco.generation.factory` as
-``Class.from_settings(model_dir, settings, **common)``.
+backend that has it. :mod:`nemo_disco.generation.factory` builds the class through its two class-level
+constructors: ``Class.build(model_dir, *, seed, max_model_len, tensor_parallel_size, dtype, params, engine)`` and,
+for a training run, ``Class.run_options(cfg)`` (the further keyword arguments it passes as ``engine``).
 
 This module imports neither torch nor any backend (the pre-flight of ``slurm/train.sbatch`` reads it in whatever
 Python the login node has).

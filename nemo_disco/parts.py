@@ -18,7 +18,7 @@ from __future__ import annotations
 import difflib
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -33,7 +33,10 @@ from nemo_disco.config import (
     key_place,
 )
 from nemo_disco.config import load as load_config
-from nemo_disco.rewards.registry import GRADERS, GraderParams, get_grader
+from nemo_disco.registry import Registry
+from nemo_disco.rewards.registry import GRADERS, GraderParams
+
+T = TypeVar("T")
 
 
 class PartKeyError(ConfigError):
@@ -124,6 +127,18 @@ def _part_params(section: str, values: _PartSection, models: Mapping[str, type[B
         raise ConfigError(losses.validation_message(err, prefix=f"{section}.")) from None
 
 
+def find_part(registry: Registry[T], key: str, name: str) -> T:
+    """The part called ``name`` in ``registry``, as config key ``key`` chose it.
+
+    Raises:
+        ConfigError: ``reward.grader: unknown grader 'x'; registered: ...`` (one line).
+    """
+    try:
+        return registry.find(name)
+    except ValueError as err:
+        raise ConfigError(f"{key}: {err}") from None
+
+
 def generation_of(cfg: RunConfig) -> generators.BackendParams:
     """The run's generator backend's own parameters, validated (defaults for those the config leaves out).
 
@@ -132,10 +147,7 @@ def generation_of(cfg: RunConfig) -> generators.BackendParams:
             value, or ranks per engine for a backend that runs one process per engine.
     """
     g = cfg.generation
-    try:
-        backend = generators.get_backend(g.backend)
-    except ValueError as err:
-        raise ConfigError(f"generation.backend: {err}") from None
+    backend = find_part(generators.BACKENDS, "generation.backend", g.backend)
     params = _part_params("generation", g, {name: b.params for name, b in generators.BACKENDS.items()})
     if g.tensor_parallel_size != 1 and not backend.tensor_parallel:
         tp = [n for n, b in generators.BACKENDS.items() if b.tensor_parallel]
@@ -152,10 +164,7 @@ def reward_of(cfg: RunConfig) -> GraderParams:
     Raises:
         ConfigError: one line: an unknown grader, a key it does not take (naming the graders that do) or a bad value.
     """
-    try:
-        get_grader(cfg.reward.grader)
-    except ValueError as err:
-        raise ConfigError(f"reward.grader: {err}") from None
+    find_part(GRADERS, "reward.grader", cfg.reward.grader)
     return _part_params("reward", cfg.reward, {name: g.params for name, g in GRADERS.items()})  # type: ignore[return-value]
 
 
